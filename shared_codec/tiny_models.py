@@ -1,0 +1,230 @@
+"""Deterministic tiny Hugging Face checkpoints for tests, benchmarks and the demo.
+
+`write_tiny_model(kind, path, seed)` writes a complete HF checkpoint directory (config.json,
+model.safetensors, a locally built byte-level BPE tokenizer, generation_config.json) with no hub
+access. The same (kind, seed, overrides) always yields the same bytes.
+
+Kinds:
+1. ``qwen3``: Qwen3 dense, GQA (4 query heads, 2 KV heads), untied embeddings, vocab 512.
+2. ``qwen3-tied``: Qwen3 dense with tied embeddings and vocab 500, which vLLM pads to 512
+   (so the native loader fills padding rows: a non-``copy_`` write the receiver must handle).
+3. ``qwen3-moe``: Qwen3-MoE with 8 experts, top-2 routing.
+
+Limitations:
+1. Weights are random (normal, std 0.02; norms 1 +- noise): generations are deterministic but
+   meaningless text.
+2. Needs ``safetensors`` and ``tokenizers`` (the ``test`` extra; both ship with vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("qwen3", "qwen3-tied", "qwen3-moe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelSpec:
+    """Shape of a tiny model. Defaults give a ~0.2M-parameter model that vLLM and Megatron run."""
+
+    kind: str
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 512
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
+    """Return the default spec of `kind`, with `overrides` applied (e.g. ``hidden_size=256``)."""
+    if kind == "qwen3":
+        base: dict[str, Any] = {}
+    elif kind == "qwen3-tied":
+        base = {"vocab_size": 500, "tie_word_embeddings": True}
+    elif kind == "qwen3-moe":
+        base = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+    base.update(overrides)
+    return TinyModelSpec(kind=kind, **base)
+
+
+def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """The config.json contents for `spec` (transformers 5 / vLLM 0.32 readable)."""
+    moe = spec.num_experts > 0
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "initializer_range": 0.02,
+    }
+    if moe:
+        cfg.update(
+            {
+                "num_experts": spec.num_experts,
+                "num_experts_per_tok": spec.num_experts_per_tok,
+                "moe_intermediate_size": spec.moe_intermediate_size,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "norm_topk_prob": True,
+                "output_router_logits": False,
+                "router_aux_loss_coef": 0.001,
+            }
+        )
+    cfg.update(spec.extra)
+    return cfg
+
+
+def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical (HF) tensor names and shapes of `spec`, in checkpoint order."""
+    h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
+    kv = spec.num_key_value_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
+        shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.num_experts:
+            inter = spec.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (inter, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (inter, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, inter)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, spec.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def make_weights(spec: TinyModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights for `spec`: a per-tensor generator seeded from (seed, index)."""
+    out: dict[str, torch.Tensor] = {}
+    for idx, (name, shape) in enumerate(canonical_shapes(spec).items()):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + idx)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = 0.02 * torch.randn(shape, generator=gen)
+        out[name] = t.to(torch.bfloat16).contiguous()
+    return out
+
+
+_CORPUS_WORDS = (
+    "the policy model generates tokens and the trainer updates weights after every step "
+    "a refit sends only the bits that changed to every rollout engine in another datacenter "
+    "delta compressed refit is bit exact xor masks and overwrites carry the new values "
+    "owners detect changes against a baseline and project them into canonical coordinates "
+    "receivers apply payloads in place through the native loader then the coordinator commits "
+    "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" hello world reward answer"
+).split()
+
+
+def _build_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer with exactly `vocab_size` tokens, built offline.
+
+    BPE training on a fixed corpus is deterministic; leftover ids are filled with named
+    placeholder tokens so every id the model can emit decodes.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    return tok
+
+
+def write_tiny_model(
+    kind: str, path: str | os.PathLike[str], seed: int = 0, **overrides: Any
+) -> Path:
+    """Write the tiny checkpoint `kind` to directory `path` (created) and return the path.
+
+    Deterministic given (kind, seed, overrides). Raises ValueError for an unknown kind.
+    """
+    from safetensors.torch import save_file
+
+    spec = spec_for(kind, **overrides)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(spec), indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, indent=2) + "\n"
+    )
+    save_file(make_weights(spec, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok = _build_tokenizer(spec.vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": spec.max_position_embeddings,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    return out

@@ -1,0 +1,20 @@
+"""Shared fixtures: deterministic tiny HF checkpoints, written once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """kind -> checkpoint directory for the three tiny fixtures (seed 0)."""
+    from shared_codec.tiny_models import KINDS, write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: write_tiny_model(kind, root / kind, seed=0) for kind in KINDS}

