@@ -4,6 +4,7 @@ Subcommands (each has ``--help``):
 - ``dcr version``: versions of DCR, the payload format and the installed vLLM / megatron stack.
 - ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
   qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
+- ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 
 Heavy packages are imported only inside the subcommand that needs them.
 """
@@ -52,6 +53,12 @@ def cmd_fixture(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_codec(args: argparse.Namespace) -> int:
+    from shared_codec import bench_codec
+
+    return bench_codec.main(args.json, args.table2_elements, args.payload_elements)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared_codec.tiny_models import KINDS
 
@@ -68,6 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="output directory (created)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_fixture)
+
+    bench = sub.add_parser("bench", help="benchmarks (print a table, optionally write JSON)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
+    p = bsub.add_parser("codec", help="value coding (paper Table 2), payload sizes, throughput")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--table2-elements",
+        type=int,
+        default=20_000_000,
+        help="BF16 inputs for Table 2 (paper: 20,000,000)",
+    )
+    p.add_argument(
+        "--payload-elements",
+        type=int,
+        default=20_000_000,
+        help="checkpoint elements for the payload-size runs",
+    )
+    p.set_defaults(func=cmd_bench_codec)
+
+    def bench_help(_args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(func=bench_help)
     return parser
 
 

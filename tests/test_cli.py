@@ -43,3 +43,28 @@ def test_fixture_writes_checkpoint(tmp_path: Path) -> None:
 def test_fixture_unknown_kind_is_rejected(tmp_path: Path) -> None:
     r = _dcr("fixture", "gpt2", str(tmp_path / "x"))
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_bench_codec_small_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "codec.json"
+    r = _dcr(
+        "bench",
+        "codec",
+        "--json",
+        str(out),
+        "--table2-elements",
+        "200000",
+        "--payload-elements",
+        "400000",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Table 2" in r.stdout and "Full payload" in r.stdout and "Throughput" in r.stdout
+    res = json.loads(out.read_text())
+    assert [row["a"] for row in res["table2"]] == ["1e-4", "1e-3", "1e-2"]
+    for row in res["table2"]:
+        # XOR masks compress better than overwrites in both codings; byte planes beat plain words
+        assert row["xor_mb"] < row["overwrite_mb"] and row["planes_xor_mb"] < row["xor_mb"]
+    assert [row["rate"] for row in res["payload"]] == ["1%", "3%", "5%"]
+    for row in res["payload"]:
+        assert 0 < row["dcr_payload_bytes"] < row["paper_payload_bytes"] < row["checkpoint_bytes"]
+    assert res["throughput"]["encode_mb_s"] > 0 and res["throughput"]["decode_mb_s"] > 0

@@ -1,0 +1,398 @@
+"""Payload container, format version 1 (normative spec: docs/format.md).
+
+A payload carries the delta items of one owner's bucket for one transition attempt:
+
+    magic "DCRP" | u16 version | u16 flags | u32 header_len | header | body | digest[32]
+
+The header holds the transition metadata (target version, base version, attempt, baseline id,
+owner, sequence), the payload id, body sizes and the item table (name, dtype, kind, shape,
+count, and the encoding and raw length of each item's location and value sections). The body is
+the concatenation of all sections, zstd-compressed as one frame (flag bit 1). The digest is
+BLAKE2b-256 over every byte before it, keyed with a shared secret when flag bit 0 is set.
+
+The payload id is BLAKE2b-128 over every byte before the digest with the id field zeroed: a
+content hash, identical for identical content, used by receivers to deduplicate.
+
+`decode_payload` validates the magic, version, flags, every length, count, offset and index
+before touching memory, bounds decompression by the header and a global cap, and raises
+`PayloadError` naming the payload and the field; it never mutates anything outside its output.
+No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared_codec import compression, locations, values
+from shared_codec.dtypes import BY_CODE, dtype_of
+from shared_codec.errors import PayloadError
+from shared_codec.records import DeltaItem, Kind
+
+MAGIC = b"DCRP"
+VERSION = 1
+FLAG_KEYED = 1
+FLAG_ZSTD = 2
+KNOWN_FLAGS = FLAG_KEYED | FLAG_ZSTD
+DIGEST_SIZE = 32
+ID_SIZE = 16
+BASELINE_ID_SIZE = 16
+PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, header_len
+HEAD = struct.Struct("<QQQ16sII16sQQI")  # version.. n_items (see docs/format.md)
+ID_OFFSET = PREFIX.size + struct.calcsize("<QQQ16sII")  # byte offset of the payload id field
+MAX_NDIM = 16
+
+#: Default global cap on a payload's decompressed body (receivers may lower it).
+DEFAULT_MAX_BODY = 1 << 30
+#: Default cap on items per payload.
+DEFAULT_MAX_ITEMS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadMeta:
+    """Transition metadata every payload of an attempt carries (format v1 header fields).
+
+    `version` is the policy version the delta produces (v+1); `base_version` the committed
+    version it applies to (v); `baseline_id` identifies the committed baseline / commit record;
+    `attempt` the attempt of the transition; `owner` the emitting owner; `sequence` the payload's
+    number within (attempt, owner).
+    """
+
+    version: int
+    base_version: int
+    attempt: int
+    owner: int
+    sequence: int
+    baseline_id: bytes = b"\x00" * BASELINE_ID_SIZE
+
+    def __post_init__(self) -> None:
+        if len(self.baseline_id) != BASELINE_ID_SIZE:
+            raise ValueError(f"baseline_id must be {BASELINE_ID_SIZE} bytes")
+        for name in ("version", "base_version", "attempt"):
+            if not 0 <= getattr(self, name) < 1 << 64:
+                raise ValueError(f"{name} must fit in u64")
+        for name in ("owner", "sequence"):
+            if not 0 <= getattr(self, name) < 1 << 32:
+                raise ValueError(f"{name} must fit in u32")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemEntry:
+    """One row of the item table: everything about an item except its section bytes."""
+
+    name: str
+    dtype: str
+    kind: Kind
+    shape: tuple[int, ...]
+    count: int
+    loc_encoding: int
+    loc_len: int
+    val_encoding: int
+    val_len: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadHeader:
+    """A decoded header (no body): what `peek_header` returns and receivers validate first."""
+
+    format_version: int
+    flags: int
+    meta: PayloadMeta
+    payload_id: bytes
+    body_raw_len: int
+    body_stored_len: int
+    items: tuple[ItemEntry, ...]
+    total_len: int
+
+    @property
+    def payload_id_hex(self) -> str:
+        return self.payload_id.hex()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Payload:
+    """A decoded payload: header plus items (arrays are this object's own)."""
+
+    header: PayloadHeader
+    items: list[DeltaItem] = field(default_factory=list)
+
+    @property
+    def meta(self) -> PayloadMeta:
+        return self.header.meta
+
+    @property
+    def payload_id(self) -> bytes:
+        return self.header.payload_id
+
+
+def _digest(data: memoryview | bytes | bytearray, key: bytes | None) -> bytes:
+    if key:
+        if len(key) > 64:
+            raise ValueError("payload key must be at most 64 bytes (BLAKE2b key limit)")
+        return hashlib.blake2b(data, digest_size=DIGEST_SIZE, key=key).digest()
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+def encode_sections(item: DeltaItem, *, paper: bool = False) -> tuple[int, bytes, int, bytes]:
+    """(loc code, loc bytes, value code, value bytes) of one item."""
+    loc_code, loc = locations.encode_locations(item.indices, paper=paper)
+    val_code, val = values.encode_values(item.values, item.dtype_info.itemsize, paper=paper)
+    return loc_code, loc, val_code, val
+
+
+def encode_payload(
+    items: Sequence[DeltaItem],
+    meta: PayloadMeta,
+    *,
+    key: bytes | None = None,
+    paper: bool = False,
+    compress: bool = True,
+) -> bytes:
+    """Encode `items` into one v1 payload. Items are validated first (ValueError)."""
+    table = bytearray()
+    sections: list[bytes] = []
+    for item in items:
+        item.validate()
+        if item.owner != meta.owner:
+            raise ValueError(f"item {item.name}: owner {item.owner} != payload owner {meta.owner}")
+        d = item.dtype_info
+        name = item.name.encode()
+        loc_code, loc, val_code, val = encode_sections(item, paper=paper)
+        table += struct.pack("<H", len(name)) + name
+        table += struct.pack("<BBB", d.code, int(item.kind), len(item.shape))
+        table += struct.pack(f"<{len(item.shape)}Q", *item.shape)
+        table += struct.pack("<QBQBQ", item.count, loc_code, len(loc), val_code, len(val))
+        sections += (loc, val)
+    raw = b"".join(sections)
+    body = compression.compress(raw) if compress else raw
+    flags = (FLAG_KEYED if key else 0) | (FLAG_ZSTD if compress else 0)
+    head = HEAD.pack(
+        meta.version,
+        meta.base_version,
+        meta.attempt,
+        meta.baseline_id,
+        meta.owner,
+        meta.sequence,
+        b"\x00" * ID_SIZE,
+        len(raw),
+        len(body),
+        len(items),
+    )
+    header = head + bytes(table)
+    out = bytearray(PREFIX.pack(MAGIC, VERSION, flags, len(header)) + header + body)
+    pid = hashlib.blake2b(out, digest_size=ID_SIZE).digest()
+    out[ID_OFFSET : ID_OFFSET + ID_SIZE] = pid
+    out += _digest(out, key)
+    return bytes(out)
+
+
+class _Reader:
+    def __init__(self, buf: memoryview, label: str) -> None:
+        self.buf, self.pos, self.label = buf, 0, label
+
+    def take(self, fmt: str, field: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise PayloadError(f"payload {self.label}: field {field}: header truncated")
+        out = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return out
+
+    def raw(self, n: int, field: str) -> memoryview:
+        if self.pos + n > len(self.buf):
+            raise PayloadError(f"payload {self.label}: field {field}: header truncated")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+
+def peek_header(
+    data: bytes | memoryview,
+    *,
+    key: bytes | None = None,
+    verify: bool = True,
+    max_items: int = DEFAULT_MAX_ITEMS,
+) -> PayloadHeader:
+    """Parse and validate the header (and, with `verify`, the digest and payload id).
+
+    A keyed payload needs the key; an unkeyed payload is rejected when a key is configured (a
+    receiver with a secret accepts only authenticated payloads).
+    """
+    buf = memoryview(data)
+    label = f"<{len(buf)} bytes>"
+    if len(buf) < PREFIX.size + HEAD.size + DIGEST_SIZE:
+        raise PayloadError(f"payload {label}: field length: {len(buf)} bytes is too short")
+    magic, version, flags, header_len = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise PayloadError(f"payload {label}: field magic: {bytes(magic)!r} is not {MAGIC!r}")
+    if version != VERSION:
+        raise PayloadError(f"payload {label}: field format_version: unsupported version {version}")
+    if flags & ~KNOWN_FLAGS:
+        raise PayloadError(f"payload {label}: field flags: unknown bits {flags & ~KNOWN_FLAGS:#x}")
+    pid = bytes(buf[ID_OFFSET : ID_OFFSET + ID_SIZE])
+    label = pid.hex()
+    if header_len < HEAD.size or PREFIX.size + header_len + DIGEST_SIZE > len(buf):
+        raise PayloadError(f"payload {label}: field header_len: {header_len} out of bounds")
+    if verify:
+        body_end = len(buf) - DIGEST_SIZE
+        keyed = bool(flags & FLAG_KEYED)
+        if keyed and not key:
+            raise PayloadError(
+                f"payload {label}: field digest: keyed payload but no key configured"
+            )
+        if key and not keyed:
+            raise PayloadError(f"payload {label}: field digest: unauthenticated payload rejected")
+        want = _digest(buf[:body_end], key if keyed else None)
+        if not hmac.compare_digest(want, bytes(buf[body_end:])):
+            what = "wrong key or corrupted" if keyed else "corrupted or truncated"
+            raise PayloadError(f"payload {label}: field digest: mismatch ({what})")
+        zeroed = bytearray(buf[:body_end])
+        zeroed[ID_OFFSET : ID_OFFSET + ID_SIZE] = b"\x00" * ID_SIZE
+        if hashlib.blake2b(zeroed, digest_size=ID_SIZE).digest() != pid:
+            raise PayloadError(f"payload {label}: field payload_id: not the content hash")
+    r = _Reader(buf[PREFIX.size : PREFIX.size + header_len], label)
+    (ver, base, attempt, baseline, owner, seq, _pid, raw_len, stored_len, n_items) = r.take(
+        "<QQQ16sII16sQQI", "head"
+    )
+    if n_items > max_items:
+        raise PayloadError(f"payload {label}: field n_items: {n_items} exceeds cap {max_items}")
+    total = PREFIX.size + header_len + stored_len + DIGEST_SIZE
+    if total != len(buf):
+        raise PayloadError(
+            f"payload {label}: field body_stored_len: {stored_len} implies {total} bytes, "
+            f"payload has {len(buf)}"
+        )
+    if not flags & FLAG_ZSTD and stored_len != raw_len:
+        raise PayloadError(f"payload {label}: field body_raw_len: uncompressed body size mismatch")
+    entries = []
+    section_total = 0
+    for i in range(n_items):
+        f = f"items[{i}]"
+        (name_len,) = r.take("<H", f + ".name_len")
+        try:
+            name = bytes(r.raw(name_len, f + ".name")).decode()
+        except UnicodeDecodeError:
+            raise PayloadError(f"payload {label}: field {f}.name: not UTF-8") from None
+        if not name:
+            raise PayloadError(f"payload {label}: field {f}.name: empty")
+        dcode, kind, ndim = r.take("<BBB", f + ".dtype")
+        if dcode not in BY_CODE:
+            raise PayloadError(f"payload {label}: field {f}.dtype: unknown code {dcode}")
+        if kind not in (Kind.XOR, Kind.OVERWRITE):
+            raise PayloadError(f"payload {label}: field {f}.kind: unknown kind {kind}")
+        if ndim > MAX_NDIM:
+            raise PayloadError(f"payload {label}: field {f}.ndim: {ndim} > {MAX_NDIM}")
+        shape = r.take(f"<{ndim}Q", f + ".shape")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel >= 1 << 62:
+            raise PayloadError(f"payload {label}: field {f}.shape: {shape} too large")
+        count, loc_code, loc_len, val_code, val_len = r.take("<QBQBQ", f + ".sections")
+        d = BY_CODE[dcode]
+        if count > numel:
+            raise PayloadError(f"payload {label}: field {f}.count: {count} > numel {numel}")
+        if val_len != count * d.itemsize:
+            raise PayloadError(f"payload {label}: field {f}.val_len: {val_len} for {count} entries")
+        if loc_code not in locations.NAMES or val_code not in values.NAMES:
+            raise PayloadError(f"payload {label}: field {f}.encoding: unknown code")
+        section_total += loc_len + val_len
+        if section_total > raw_len:
+            raise PayloadError(f"payload {label}: field {f}.sections: exceed body_raw_len")
+        entries.append(
+            ItemEntry(
+                name=name,
+                dtype=d.name,
+                kind=Kind(kind),
+                shape=tuple(shape),
+                count=count,
+                loc_encoding=loc_code,
+                loc_len=loc_len,
+                val_encoding=val_code,
+                val_len=val_len,
+            )
+        )
+    if r.pos != len(r.buf):
+        raise PayloadError(f"payload {label}: field header_len: {len(r.buf) - r.pos} stray bytes")
+    if section_total != raw_len:
+        raise PayloadError(
+            f"payload {label}: field body_raw_len: {raw_len}, sections sum to {section_total}"
+        )
+    try:
+        meta = PayloadMeta(
+            version=ver,
+            base_version=base,
+            attempt=attempt,
+            owner=owner,
+            sequence=seq,
+            baseline_id=bytes(baseline),
+        )
+    except ValueError as e:
+        raise PayloadError(f"payload {label}: field meta: {e}") from None
+    return PayloadHeader(
+        format_version=version,
+        flags=flags,
+        meta=meta,
+        payload_id=pid,
+        body_raw_len=raw_len,
+        body_stored_len=stored_len,
+        items=tuple(entries),
+        total_len=len(buf),
+    )
+
+
+def decode_payload(
+    data: bytes | memoryview,
+    *,
+    key: bytes | None = None,
+    max_body: int = DEFAULT_MAX_BODY,
+    max_items: int = DEFAULT_MAX_ITEMS,
+) -> Payload:
+    """Validate and decode a whole payload. Raises PayloadError; never mutates its input."""
+    header = peek_header(data, key=key, verify=True, max_items=max_items)
+    label = header.payload_id_hex
+    buf = memoryview(data)
+    start = len(buf) - DIGEST_SIZE - header.body_stored_len
+    stored = buf[start : len(buf) - DIGEST_SIZE]
+    if header.flags & FLAG_ZSTD:
+        try:
+            raw = memoryview(compression.decompress_exact(stored, header.body_raw_len, max_body))
+        except ValueError as err:
+            raise PayloadError(f"payload {label}: field body: {err}") from None
+    else:
+        if header.body_raw_len > max_body:
+            raise PayloadError(f"payload {label}: field body_raw_len: exceeds cap {max_body}")
+        raw = stored
+    items: list[DeltaItem] = []
+    pos = 0
+    for i, entry in enumerate(header.items):
+        d = dtype_of(entry.dtype)
+        numel = 1
+        for s in entry.shape:
+            numel *= s
+        loc = raw[pos : pos + entry.loc_len]
+        pos += entry.loc_len
+        val = raw[pos : pos + entry.val_len]
+        pos += entry.val_len
+        try:
+            idx = locations.decode_locations(entry.loc_encoding, loc, entry.count, numel)
+            vals = values.decode_values(entry.val_encoding, val, entry.count, d.itemsize, d.bits_np)
+        except ValueError as err:
+            raise PayloadError(f"payload {label}: field items[{i}] ({entry.name}).{err}") from None
+        items.append(
+            DeltaItem(
+                name=entry.name,
+                dtype=entry.dtype,
+                shape=entry.shape,
+                owner=header.meta.owner,
+                kind=entry.kind,
+                indices=idx,
+                values=np.ascontiguousarray(vals),
+            )
+        )
+    return Payload(header=header, items=items)

@@ -1,0 +1,210 @@
+"""Location coding: sorted unique flat indices <-> bytes, the smallest of several encodings.
+
+Encodings (wire codes in docs/format.md; all integers little-endian):
+
+1. ``GAPS`` (1): ``u8 width | u64 first | planes(gap - 1, width)``: differences of consecutive
+   indices minus one, at the minimal width in {1, 2, 4, 8}, split into byte planes (most
+   significant plane first) so zstd sees long runs of zero high bytes.
+2. ``RANGES`` (2): ``u8 ws | u8 wl | u64 runs | planes(start gaps, ws) | planes(len - 1, wl)``:
+   maximal runs of consecutive indices; the first start is absolute, later ones are the gap after
+   the previous run's end minus one.
+3. ``BITMAP`` (3): ``u64 base | u64 span | bits``: one bit per position in ``[base, base+span)``
+   (numpy packbits, little bit order), for dense changes.
+4. ``PLAIN_GAPS`` (4): ``u32[count]``: the first index then plain gaps, the paper's stream (kept
+   for comparison; only valid when every value fits in 32 bits).
+
+`encode_locations` picks the encoding with the fewest raw bytes (paper mode: PLAIN_GAPS when
+representable). `decode_locations` validates every length and value before use and returns a
+strictly increasing int64 array with all indices < numel, or raises ValueError naming the field.
+
+Limitations:
+1. The choice uses raw sizes, not compressed sizes (one pass, no trial compression).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GAPS = 1
+RANGES = 2
+BITMAP = 3
+PLAIN_GAPS = 4
+
+NAMES = {GAPS: "gaps", RANGES: "ranges", BITMAP: "bitmap", PLAIN_GAPS: "plain_gaps"}
+
+_U = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def min_width(max_value: int) -> int:
+    """Smallest width in {1, 2, 4, 8} bytes holding `max_value` (>= 0)."""
+    if max_value < 1 << 8:
+        return 1
+    if max_value < 1 << 16:
+        return 2
+    if max_value < 1 << 32:
+        return 4
+    return 8
+
+
+def to_planes(values: np.ndarray, width: int) -> bytes:
+    """Unsigned `values` at `width` bytes, as byte planes (most significant plane first)."""
+    if values.size == 0:
+        return b""
+    words = np.ascontiguousarray(values, dtype=_U[width])
+    if width == 1:
+        return words.tobytes()
+    planes = words.view(np.uint8).reshape(-1, width).T[::-1]
+    return np.ascontiguousarray(planes).tobytes()
+
+
+def from_planes(buf: memoryview | bytes, count: int, width: int) -> np.ndarray:
+    """Inverse of `to_planes`: `count` unsigned words of `width` bytes (len(buf) must match)."""
+    raw = np.frombuffer(buf, dtype=np.uint8, count=count * width)
+    if width == 1:
+        return raw.copy()
+    out = np.empty((count, width), dtype=np.uint8)
+    out[:] = raw.reshape(width, count)[::-1].T
+    return out.reshape(-1).view(_U[width])
+
+
+def _gaps_section(indices: np.ndarray, gaps_m1: np.ndarray | None) -> tuple[int, bytes]:
+    width = min_width(int(gaps_m1.max())) if gaps_m1 is not None and gaps_m1.size else 1
+    head = (
+        np.array([width], dtype=np.uint8).tobytes() + np.array([indices[0]], dtype="<u8").tobytes()
+    )
+    return GAPS, head + to_planes(gaps_m1 if gaps_m1 is not None else np.empty(0), width)
+
+
+def encode_locations(indices: np.ndarray, *, paper: bool = False) -> tuple[int, bytes]:
+    """Encode strictly increasing int64 `indices`; returns (encoding code, section bytes)."""
+    n = int(indices.shape[0])
+    if n == 0:
+        return RANGES, bytes([1, 1]) + (0).to_bytes(8, "little")
+    diffs = np.diff(indices)
+    if paper:
+        first = int(indices[0])
+        if first < 1 << 32 and (n == 1 or int(diffs.max()) < 1 << 32):
+            stream = np.empty(n, dtype="<u4")
+            stream[0] = first
+            stream[1:] = diffs
+            return PLAIN_GAPS, stream.tobytes()
+        return _gaps_section(indices, diffs - 1)
+    gaps_m1 = diffs - 1
+    gap_width = min_width(int(gaps_m1.max())) if n > 1 else 1
+    gaps_size = 9 + (n - 1) * gap_width
+    span = int(indices[-1]) - int(indices[0]) + 1
+    bitmap_size = 16 + (span + 7) // 8
+    breaks = np.flatnonzero(diffs != 1)
+    runs = int(breaks.shape[0]) + 1
+    ranges_size = 18 + runs * 8  # upper bound before width selection
+    if runs * 2 < n:
+        run_starts_pos = np.concatenate(([0], breaks + 1))
+        run_ends_pos = np.concatenate((breaks, [n - 1]))
+        starts = indices[run_starts_pos]
+        lengths_m1 = run_ends_pos - run_starts_pos
+        start_gaps = np.empty(runs, dtype=np.int64)
+        start_gaps[0] = starts[0]
+        start_gaps[1:] = starts[1:] - indices[run_ends_pos[:-1]] - 2
+        ws = min_width(int(start_gaps.max()))
+        wl = min_width(int(lengths_m1.max()))
+        ranges_size = 18 + runs * (ws + wl)
+    best = min(gaps_size, bitmap_size, ranges_size)
+    if best == gaps_size:
+        return _gaps_section(indices, gaps_m1)
+    if best == bitmap_size:
+        base = int(indices[0])
+        bits = np.zeros(span, dtype=np.uint8)
+        bits[indices - base] = 1
+        head = np.array([base, span], dtype="<u8").tobytes()
+        return BITMAP, head + np.packbits(bits, bitorder="little").tobytes()
+    head = bytes([ws, wl]) + runs.to_bytes(8, "little")
+    return RANGES, head + to_planes(start_gaps, ws) + to_planes(lengths_m1, wl)
+
+
+def _width(byte: int, field: str) -> int:
+    if byte not in _U:
+        raise ValueError(f"{field}: width {byte} not in (1, 2, 4, 8)")
+    return byte
+
+
+def _need(buf: memoryview, size: int, field: str) -> None:
+    if len(buf) != size:
+        raise ValueError(f"{field}: section is {len(buf)} bytes, expected {size}")
+
+
+def _check_bounded(values: np.ndarray, numel: int, field: str) -> None:
+    # Every gap/length is <= numel and their float sum is <= numel, so int64 sums cannot overflow.
+    if values.size and (int(values.max()) > numel or float(values.sum(dtype=np.float64)) > numel):
+        raise ValueError(f"{field}: values exceed the tensor size {numel}")
+
+
+def decode_locations(code: int, buf: memoryview | bytes, count: int, numel: int) -> np.ndarray:
+    """Decode a location section; ValueError names the first field that fails validation."""
+    buf = memoryview(buf)
+    if count < 0 or count > numel:
+        raise ValueError(f"locations.count: {count} entries for a tensor of {numel} elements")
+    if code == GAPS:
+        if len(buf) < 9:
+            raise ValueError("locations.gaps: section shorter than its 9-byte head")
+        width = _width(buf[0], "locations.gaps.width")
+        if count == 0:
+            raise ValueError("locations.gaps: empty items use the ranges encoding")
+        _need(buf, 9 + (count - 1) * width, "locations.gaps")
+        first = int.from_bytes(buf[1:9], "little")
+        if first >= numel:
+            raise ValueError(f"locations.gaps.first: {first} >= numel {numel}")
+        gaps = from_planes(buf[9:], count - 1, width)
+        _check_bounded(gaps, numel, "locations.gaps")
+        out = np.empty(count, dtype=np.int64)
+        out[0] = first
+        np.cumsum(gaps.astype(np.int64) + 1, out=out[1:])
+        out[1:] += first
+    elif code == PLAIN_GAPS:
+        _need(buf, 4 * count, "locations.plain_gaps")
+        stream = np.frombuffer(buf, dtype="<u4", count=count).astype(np.int64)
+        if count > 1 and int(stream[1:].min()) < 1:
+            raise ValueError("locations.plain_gaps: zero gap (indices not strictly increasing)")
+        _check_bounded(stream, numel, "locations.plain_gaps")
+        out = np.cumsum(stream)
+    elif code == RANGES:
+        if len(buf) < 10:
+            raise ValueError("locations.ranges: section shorter than its 10-byte head")
+        ws = _width(buf[0], "locations.ranges.start_width")
+        wl = _width(buf[1], "locations.ranges.length_width")
+        runs = int.from_bytes(buf[2:10], "little")
+        if runs > count or (runs == 0) != (count == 0):
+            raise ValueError(f"locations.ranges.runs: {runs} runs for {count} entries")
+        _need(buf, 10 + runs * (ws + wl), "locations.ranges")
+        start_gaps = from_planes(buf[10 : 10 + runs * ws], runs, ws)
+        lengths_m1 = from_planes(buf[10 + runs * ws :], runs, wl)
+        _check_bounded(start_gaps, numel, "locations.ranges.starts")
+        _check_bounded(lengths_m1, numel, "locations.ranges.lengths")
+        lengths = lengths_m1.astype(np.int64) + 1
+        if int(lengths.sum()) != count:
+            raise ValueError(f"locations.ranges.lengths: sum {int(lengths.sum())} != count {count}")
+        if count == 0:
+            return np.empty(0, dtype=np.int64)
+        # s_0 = g_0; s_i = s_{i-1} + L_{i-1} + 1 + g_i (runs are maximal, so gaps are >= 2)
+        steps = start_gaps.astype(np.int64)
+        steps[1:] += lengths[:-1] + 1
+        starts = np.cumsum(steps)
+        offsets = np.cumsum(lengths) - lengths  # position of each run's first entry in `out`
+        out = np.repeat(starts - offsets, lengths) + np.arange(count, dtype=np.int64)
+    elif code == BITMAP:
+        if len(buf) < 16:
+            raise ValueError("locations.bitmap: section shorter than its 16-byte head")
+        base, span = (int(x) for x in np.frombuffer(buf[:16], dtype="<u8"))
+        if span > numel or base > numel - span:
+            raise ValueError(f"locations.bitmap: [{base}, {base}+{span}) outside numel {numel}")
+        _need(buf, 16 + (span + 7) // 8, "locations.bitmap")
+        bits = np.unpackbits(np.frombuffer(buf[16:], dtype=np.uint8), bitorder="little")
+        if span % 8 and bits[span:].any():
+            raise ValueError("locations.bitmap: bits set beyond the span")
+        out = np.flatnonzero(bits[:span]).astype(np.int64) + base
+        if out.shape[0] != count:
+            raise ValueError(f"locations.bitmap: {out.shape[0]} bits set, count is {count}")
+    else:
+        raise ValueError(f"locations.encoding: unknown code {code}")
+    if count and (int(out[-1]) >= numel or int(out[0]) < 0):
+        raise ValueError(f"locations: index {int(out[-1])} out of range for numel {numel}")
+    return out

@@ -1,0 +1,44 @@
+"""Value coding: raw stored bits of one item's entries <-> bytes.
+
+Encodings (wire codes in docs/format.md):
+
+1. ``PLANES`` (1): words split into byte planes, most significant plane first. XOR masks of small
+   updates have mostly-zero high bytes, and sign/exponent bytes of overwrites repeat, so zstd
+   compresses the planes far better than interleaved words (ENVIRONMENT.md: XOR masks 2.9x
+   smaller than overwrite words at a = 1e-4 and 1e-3).
+2. ``PLAIN`` (0): little-endian words in entry order, the paper's stream (kept for comparison).
+
+1-byte dtypes are the same in both encodings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared_codec.locations import from_planes, to_planes
+
+PLAIN = 0
+PLANES = 1
+
+NAMES = {PLAIN: "plain", PLANES: "planes"}
+
+
+def encode_values(values: np.ndarray, itemsize: int, *, paper: bool = False) -> tuple[int, bytes]:
+    """Encode an unsigned `values` array of `itemsize`-byte words; returns (code, bytes)."""
+    if paper:
+        return PLAIN, np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<")).tobytes()
+    return PLANES, to_planes(values, itemsize)
+
+
+def decode_values(
+    code: int, buf: memoryview | bytes, count: int, itemsize: int, bits_np: type
+) -> np.ndarray:
+    """Decode a value section into `count` words of `bits_np`; ValueError names the field."""
+    if len(buf) != count * itemsize:
+        raise ValueError(f"values: section is {len(buf)} bytes, expected {count * itemsize}")
+    if code == PLAIN:
+        le = np.dtype(bits_np).newbyteorder("<")
+        return np.frombuffer(buf, dtype=le, count=count).astype(bits_np)
+    if code == PLANES:
+        return from_planes(buf, count, itemsize).view(bits_np)
+    raise ValueError(f"values.encoding: unknown code {code}")

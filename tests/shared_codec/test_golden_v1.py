@@ -1,0 +1,108 @@
+"""Golden bytes of format v1: stored payloads decode to known records, and encoding those records
+reproduces the stored bytes exactly. Regenerate (only for a deliberate format change, with a new
+format version) with: python -m tests.shared_codec.test_golden_v1 regen
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared_codec.format import PayloadMeta, decode_payload, encode_payload, peek_header
+from shared_codec.records import Kind, make_item
+
+GOLDEN = Path(__file__).with_name("golden")
+META = PayloadMeta(
+    version=7, base_version=6, attempt=1, owner=2, sequence=9, baseline_id=bytes(range(16))
+)
+KEY = b"golden-key"
+
+
+def golden_items():
+    return [
+        # bf16 XOR masks, sparse -> gap coding
+        make_item(
+            "model.layers.0.mlp.up_proj.weight",
+            "bfloat16",
+            (4, 8),
+            2,
+            Kind.XOR,
+            np.array([1, 2, 9, 31]),
+            np.array([0x0001, 0x0003, 0x0100, 0x8000], np.uint16),
+        ),
+        # fp32 overwrites of a run -> range coding
+        make_item(
+            "model.norm.weight",
+            "float32",
+            (64,),
+            2,
+            Kind.OVERWRITE,
+            np.arange(8, 48),
+            np.array([0x3F800000, 0x7FC00001, 0x80000000, 0x00000001] * 10, np.uint32),
+        ),
+        # fp8 dense but irregular -> bitmap coding
+        make_item(
+            "experts.w",
+            "float8_e4m3fn",
+            (8, 25),
+            2,
+            Kind.OVERWRITE,
+            np.array([i for i in range(200) if i % 3 != 1]),
+            (np.arange(133) % 251).astype(np.uint8),
+        ),
+        # empty item
+        make_item(
+            "empty", "int64", (3,), 2, Kind.XOR, np.array([], np.int64), np.array([], np.uint64)
+        ),
+    ]
+
+
+VARIANTS = {
+    "v1_plain.bin": {"compress": False},
+    "v1_zstd.bin": {"compress": True},
+    "v1_zstd_keyed.bin": {"compress": True, "key": KEY},
+    "v1_paper.bin": {"compress": True, "paper": True},
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_golden_decodes_and_reencodes(name: str) -> None:
+    stored = (GOLDEN / name).read_bytes()
+    opts = VARIANTS[name]
+    p = decode_payload(stored, key=opts.get("key"))
+    assert p.meta == META
+    want = golden_items()
+    assert len(p.items) == len(want)
+    for got, exp in zip(p.items, want, strict=True):
+        assert got.same_as(exp)
+    assert encode_payload(want, META, **opts) == stored
+    h = peek_header(stored, key=opts.get("key"))
+    assert [e.loc_encoding for e in h.items] == (
+        [4, 4, 4, 2] if opts.get("paper") else [1, 2, 3, 2]
+    )
+
+
+def test_plain_layout_matches_docs() -> None:
+    """The first bytes of the uncompressed golden payload, as spelled out in docs/format.md."""
+    b = (GOLDEN / "v1_plain.bin").read_bytes()
+    assert b[:4] == b"DCRP" and b[4:6] == b"\x01\x00" and b[6:8] == b"\x00\x00"
+    assert int.from_bytes(b[12:20], "little") == 7  # version
+    assert int.from_bytes(b[20:28], "little") == 6  # base_version
+    assert int.from_bytes(b[28:36], "little") == 1  # attempt
+    assert b[36:52] == bytes(range(16))  # baseline_id
+    assert int.from_bytes(b[52:56], "little") == 2  # owner
+    assert int.from_bytes(b[56:60], "little") == 9  # sequence
+
+
+def regen() -> None:
+    GOLDEN.mkdir(exist_ok=True)
+    for name, opts in VARIANTS.items():
+        (GOLDEN / name).write_bytes(encode_payload(golden_items(), META, **opts))
+        print("wrote", GOLDEN / name)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["regen"]:
+    regen()
