@@ -228,3 +228,35 @@ def write_tiny_model(
         + "\n"
     )
     return out
+
+
+def perturb_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    seed: int,
+    rate: tuple[float, float] = (0.01, 0.05),
+) -> dict[str, int]:
+    """Write a new version of checkpoint `src` to `dst`: in every tensor, the stored bits of a
+    random `rate[0]`-`rate[1]` share of elements (at least one) change (low mantissa bits
+    flipped, so finite values stay finite). Non-weight files are copied. Returns the number of
+    changed elements per tensor."""
+    from shared_codec.checkpoint import load_checkpoint, save_checkpoint
+    from shared_codec.dtypes import tensor_bits
+
+    tensors = load_checkpoint(src)
+    changed: dict[str, int] = {}
+    for idx, name in enumerate(sorted(tensors)):
+        g = torch.Generator().manual_seed(seed * 7919 + idx)
+        t = tensors[name].clone()
+        bits = tensor_bits(t)  # shares memory with t
+        n = bits.shape[0]
+        lo, hi = rate
+        share = lo + (hi - lo) * float(torch.rand(1, generator=g))
+        k = max(1, int(share * n))
+        pick = torch.randperm(n, generator=g)[:k].numpy()
+        mask = torch.randint(1, 16, (k,), generator=g).numpy().astype(bits.dtype)
+        bits[pick] ^= mask
+        tensors[name] = t
+        changed[name] = k
+    save_checkpoint(tensors, dst, like=src)
+    return changed

@@ -6,21 +6,57 @@ vllm_dcr_plugin.DCRWorkerExtension``); an orchestrator calls the methods with
 ``dcr_`` so it cannot collide with worker attributes, takes and returns plain values only
 (str, int, float, bytes, lists and dicts of those), and runs on every worker rank.
 
+Errors: a DCR error (bad arguments, wrong order, loader condition) is returned as
+``{"ok": False, "error": "..."}`` on every rank rather than raised (see `_rpc`).
+
+RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
+``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_status``.
+
 Limitations:
-1. This revision exposes ``dcr_info`` only; prewarm/stage/apply come with the receiver issue.
+1. The request gate checks that the worker holds no request state; the orchestrator closes the
+   gate (sync RL: between generations; async RL: ``pause_generation``) and resets the prefix
+   cache after apply (``llm.reset_prefix_cache()``), see docs/protocol.md.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
+from shared_codec.errors import DCRError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
+from vllm_dcr_plugin.receiver import Receiver
 
 # Resolving this class is how vLLM tells a worker process that it serves DCR: enable the CPU
 # loader condition before the worker loads its model.
 cpu_compat.mark_dcr_enabled()
+
+
+F = TypeVar("F", bound=Callable[..., dict[str, Any]])
+
+
+def _rpc(fn: F) -> F:
+    """Return DCR errors as ``{"ok": False, "error": ...}`` instead of raising.
+
+    An exception raised on some ranks of a multi-rank ``collective_rpc`` leaves the other ranks'
+    replies queued in vLLM's executor, so the next call would read stale replies. Every dcr_ RPC
+    therefore answers on every rank; successful answers carry ``"ok": True``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            out = fn(self, *args, **kwargs)
+        except DCRError as e:
+            rank = getattr(self, "rank", 0)
+            return {"ok": False, "rank": int(rank), "error": f"{type(e).__name__}: {e}"}
+        out.setdefault("ok", True)
+        return out
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -48,6 +84,88 @@ class DCRWorkerExtension:
             "pp_size": int(ps.get_pp_group().world_size),
         }
 
+    def _dcr_receiver(self) -> Receiver:
+        receiver = getattr(self, "_dcr_state", None)
+        if receiver is None:
+            receiver = Receiver(
+                self._dcr_model(),
+                rank=self._dcr_ranks(),
+                gate=self._dcr_gate,
+                loader_condition=self._dcr_loader_condition,
+            )
+            self._dcr_state = receiver
+        return receiver
+
+    def _dcr_gate(self) -> str | None:
+        """None when no request runs on this worker, else why the gate is closed."""
+        runner = getattr(self, "model_runner", None)
+        requests = getattr(runner, "requests", None) or {}
+        if requests:
+            return (
+                f"{len(requests)} request(s) still hold state on this worker; finish or pause "
+                "generation before applying"
+            )
+        return None
+
+    def _dcr_loader_condition(self) -> str | None:
+        """None when the native loader keeps weights resident in loader layout."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and not cpu_compat.dcr_enabled():
+            return (
+                "CPU linear/MoE weights are prepacked (the DCR loader condition is off: "
+                f"{cpu_compat.ENV_FLAG}=0 or the plugin was not loaded before the model)"
+            )
+        return None
+
+    @_rpc
+    def dcr_prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
+        """Register canonical tensors ``[[name, dtype, shape], ...]``, reserve scratch for the
+        largest, and trace the native loader once per tensor with all writes into model storage
+        suppressed. Returns the capability report (skipped, overwrite_only, unsupported)."""
+        return self._dcr_receiver().prewarm(tensors, committed_version)
+
+    @_rpc
+    def dcr_stage(self, payloads: list) -> dict[str, Any]:
+        """Validate, deduplicate and keep payloads (bytes); returns staged/duplicates/rejected."""
+        return self._dcr_receiver().stage(payloads)
+
+    @_rpc
+    def dcr_apply(
+        self, attempt: int, verify: bool = False, fail_after_items: int | None = None
+    ) -> dict[str, Any]:
+        """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
+        reports items, elements, bytes, timings and post-apply mismatches (``verify``).
+        `fail_after_items` injects a failure part-way (recovery tests only)."""
+        return self._dcr_receiver().apply(attempt, verify, fail_after_items)
+
+    @_rpc
+    def dcr_commit(self, version: int) -> dict[str, Any]:
+        """The coordinator committed `version`: the receiver's committed version advances."""
+        return self._dcr_receiver().commit(version)
+
+    @_rpc
+    def dcr_abort(self, attempt: int) -> dict[str, Any]:
+        """Fence `attempt`: drop its staged payloads and refuse its late ones."""
+        return self._dcr_receiver().abort(attempt)
+
+    @_rpc
+    def dcr_digest(self) -> dict[str, Any]:
+        """Per-rank digest of every parameter and buffer (by name) plus a combined digest."""
+        return self._dcr_receiver().digest()
+
+    @_rpc
+    def dcr_dense_load(self, path: str, version: int = 0) -> dict[str, Any]:
+        """Dense refit from a canonical checkpoint directory through ``load_weights``; the
+        receiver is then clean at `version`."""
+        return self._dcr_receiver().dense_load(path, version)
+
+    @_rpc
+    def dcr_status(self) -> dict[str, Any]:
+        """Receiver state: clean/applied/dirty, versions, staged payloads and bytes."""
+        return self._dcr_receiver().status()
+
+    @_rpc
     def dcr_info(self) -> dict[str, Any]:
         """Versions, ranks and the rank-local parameters/buffers (name -> shape, dtype).
 

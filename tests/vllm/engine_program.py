@@ -19,6 +19,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prompts", required=True, help="JSON list of prompts")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--extra", default="{}", help="JSON dict of extra LLM(...) arguments")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -34,12 +35,14 @@ def main() -> None:
         max_num_seqs=4,
         seed=0,
         gpu_memory_utilization=0.1,
+        **json.loads(args.extra),
     )
     started = time.monotonic() - t0
     outs = llm.generate(
         json.loads(args.prompts), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     )
     infos = llm.collective_rpc("dcr_info")
+    digests = [d["digest"] for d in llm.collective_rpc("dcr_digest")]
     Path(args.out).write_text(
         json.dumps(
             {
@@ -47,6 +50,7 @@ def main() -> None:
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "texts": [o.outputs[0].text for o in outs],
                 "infos": infos,
+                "digests": digests,
             }
         )
     )

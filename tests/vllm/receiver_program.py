@@ -1,0 +1,186 @@
+"""Receiver scenario against one real vLLM engine (run as a program; writes a JSON report).
+
+The engine starts on checkpoint v0. Reference digests and greedy tokens of v1..v3 come from
+dense loads (``dcr_dense_load``) on the same engine; then the engine goes back to v0 and is moved
+v0 -> v1 (mixed XOR/overwrite delta, staged twice), v1 -> v2 (a partial XOR apply, then an
+overwrite-only retry of the complete changed set), v2 -> v3 (overwrite-only), with rejection cases
+(wrong base version, corrupted, unknown tensor, wrong shape) and apply-before-prewarm checked
+against digests. The test file asserts on the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+PROMPTS = ["hello world the policy", "a refit sends only the bits"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--versions", required=True, help="JSON list of checkpoint dirs v0..v3")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bucket-bytes", type=int, default=8 << 10)
+    ap.add_argument("--extra", default="{}", help="JSON dict of extra LLM(...) arguments")
+    args = ap.parse_args()
+    versions = json.loads(args.versions)
+
+    from vllm import LLM, SamplingParams
+
+    from shared_codec.buckets import BucketConfig, encode_items
+    from shared_codec.checkpoint import load_checkpoint
+    from shared_codec.format import PayloadMeta
+    from shared_codec.records import Kind, diff_tensors
+
+    llm = LLM(
+        model=versions[0],
+        dtype="bfloat16",
+        enforce_eager=True,
+        tensor_parallel_size=args.tp,
+        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        gpu_memory_utilization=0.1,
+        **json.loads(args.extra),
+    )
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    report: dict = {"tp": args.tp}
+
+    def tokens() -> list:
+        llm.reset_prefix_cache()
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+    def digests() -> list[str]:
+        return [d["digest"] for d in llm.collective_rpc("dcr_digest")]
+
+    def rpc_error(method: str, *a) -> str | None:
+        errors = [r.get("error") for r in llm.collective_rpc(method, args=a) if not r["ok"]]
+        return "; ".join(errors) if errors else None
+
+    ckpts = [load_checkpoint(v) for v in versions]
+    table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in ckpts[0].items()]
+
+    report["d0"] = digests()
+    report["tokens0"] = tokens()
+    report["apply_before_prewarm"] = rpc_error("dcr_apply", 0)
+    report["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, 0))
+    report["d0_after_prewarm"] = digests()
+
+    # references: dense loads of v1..v3 on this engine, then back to v0
+    report["ref"] = []
+    for v in range(1, len(versions)):
+        llm.collective_rpc("dcr_dense_load", args=(versions[v], v))
+        report["ref"].append({"digest": digests(), "tokens": tokens()})
+    llm.collective_rpc("dcr_dense_load", args=(versions[0], 0))
+    report["d0_after_dense_reload"] = digests()
+
+    no_xor = set()
+    for r in report["prewarm"]:
+        no_xor |= set(r["overwrite_only"])
+
+    def payloads(a: int, b: int, attempt: int, mode: str, base: int | None = None) -> list:
+        items = []
+        for name in sorted(ckpts[a]):
+            kind = Kind.OVERWRITE if mode == "overwrite" or name in no_xor else Kind.XOR
+            item = diff_tensors(name, ckpts[a][name], ckpts[b][name], owner=0, kind=kind)
+            if item.count:
+                items.append(item)
+        meta = PayloadMeta(
+            version=b,
+            base_version=a if base is None else base,
+            attempt=attempt,
+            owner=0,
+            sequence=0,
+        )
+        return encode_items(items, meta, BucketConfig(bucket_bytes=args.bucket_bytes, threads=0))
+
+    # rejections before any write
+    good = payloads(0, 1, 0, "mixed")
+    corrupt = bytearray(good[0])
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    import numpy as np
+
+    from shared_codec.format import encode_payload
+    from shared_codec.records import make_item
+
+    unknown = encode_payload(
+        [
+            make_item(
+                "model.nonexistent.weight",
+                "bfloat16",
+                (4,),
+                0,
+                Kind.XOR,
+                np.array([1]),
+                np.array([1], np.uint16),
+            )
+        ],
+        PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=90),
+    )
+    name0, t0 = next(iter(ckpts[0].items()))
+    wrong_shape = encode_payload(
+        [
+            make_item(
+                name0,
+                "bfloat16",
+                (t0.numel() + 1,),
+                0,
+                Kind.XOR,
+                np.array([1]),
+                np.array([1], np.uint16),
+            )
+        ],
+        PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=91),
+    )
+    rej = {
+        "wrong_base": llm.collective_rpc("dcr_stage", args=(payloads(0, 1, 0, "mixed", base=5),)),
+        "corrupt": llm.collective_rpc("dcr_stage", args=([bytes(corrupt)],)),
+        "unknown": llm.collective_rpc("dcr_stage", args=([unknown],)),
+        "wrong_shape": llm.collective_rpc("dcr_stage", args=([wrong_shape],)),
+    }
+    report["rejections"] = rej
+    report["d0_after_rejections"] = digests()
+    report["empty_apply"] = llm.collective_rpc("dcr_apply", args=(0,))
+    report["d0_after_empty_apply"] = digests()
+
+    # v0 -> v1: mixed mode, staged twice, applied once
+    report["n_payloads_v1"] = len(good)
+    report["stage1"] = llm.collective_rpc("dcr_stage", args=(good,))
+    report["stage1_again"] = llm.collective_rpc("dcr_stage", args=(good,))
+    report["ack1"] = llm.collective_rpc("dcr_apply", args=(0, True))
+    report["d1"] = digests()
+    report["tokens1"] = tokens()
+    report["commit1"] = llm.collective_rpc("dcr_commit", args=(1,))
+    report["late_duplicate_after_commit"] = llm.collective_rpc("dcr_stage", args=(good[:1],))
+
+    # v1 -> v2: partial XOR apply, then an overwrite retry of the complete changed set
+    report["stage2"] = llm.collective_rpc("dcr_stage", args=(payloads(1, 2, 1, "mixed"),))
+    report["ack2_partial"] = llm.collective_rpc("dcr_apply", args=(1, False, 5))
+    report["d2_partial"] = digests()
+    report["status_after_partial"] = llm.collective_rpc("dcr_status")
+    report["abort1"] = llm.collective_rpc("dcr_abort", args=(1,))
+    report["stage2_xor_retry"] = llm.collective_rpc("dcr_stage", args=(payloads(1, 2, 2, "mixed"),))
+    report["apply2_xor_retry_error"] = rpc_error("dcr_apply", 2)
+    llm.collective_rpc("dcr_abort", args=(2,))
+    report["stage2_retry"] = llm.collective_rpc("dcr_stage", args=(payloads(1, 2, 3, "overwrite"),))
+    report["ack2_retry"] = llm.collective_rpc("dcr_apply", args=(3, True))
+    report["d2"] = digests()
+    report["tokens2"] = tokens()
+    llm.collective_rpc("dcr_commit", args=(2,))
+
+    # v2 -> v3: overwrite-only from a clean receiver
+    report["stage3"] = llm.collective_rpc("dcr_stage", args=(payloads(2, 3, 0, "overwrite"),))
+    report["ack3"] = llm.collective_rpc("dcr_apply", args=(0, True))
+    report["d3"] = digests()
+    report["tokens3"] = tokens()
+    report["commit3"] = llm.collective_rpc("dcr_commit", args=(3,))
+    Path(args.out).write_text(json.dumps(report, default=str))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Receiver RPCs against real vLLM CPU engines: a delta refit is bit-exact with a dense load
+(every parameter and buffer, every rank) and gives identical greedy tokens; duplicates are
+applied once; a partial apply is repaired by an overwrite retry; bad payloads change nothing.
+The engine program is receiver_program.py; see its docstring for the scenario."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared_codec.tiny_models import perturb_checkpoint, write_tiny_model
+from tests._procs import PYTHON, REPO, base_env, run_program
+
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CASES = [
+    ("qwen3-tp1", "qwen3", 1, {}),
+    ("qwen3-tp2", "qwen3", 2, {}),
+    ("tied-padded-vocab", "qwen3-tied", 1, {}),
+    ("moe", "qwen3-moe", 1, {}),
+    ("moe-tp2-ep", "qwen3-moe", 2, {"enable_expert_parallel": True}),
+]
+
+
+def _versions(kind: str, root: Path) -> list[str]:
+    paths = [write_tiny_model(kind, root / "v0", seed=0)]
+    for v in range(1, 4):
+        perturb_checkpoint(paths[-1], root / f"v{v}", seed=v)
+        paths.append(root / f"v{v}")
+    return [str(p) for p in paths]
+
+
+def _run(kind: str, tp: int, extra: dict, tmp: Path) -> tuple[dict, list[str]]:
+    versions = _versions(kind, tmp / kind)
+    out = tmp / "report.json"
+    run_program(
+        [
+            PYTHON,
+            str(REPO / "tests/vllm/receiver_program.py"),
+            "--versions",
+            json.dumps(versions),
+            "--tp",
+            str(tp),
+            "--out",
+            str(out),
+            "--extra",
+            json.dumps(extra),
+        ],
+        timeout=600,
+        env=base_env(**(TP2_ENV if tp > 1 else {})),
+        log=tmp / "engine.log",
+    )
+    return json.loads(out.read_text()), versions
+
+
+def _ok(acks: list) -> None:
+    for ack in acks:
+        assert ack["ok"], ack
+        assert ack["error"] is None and ack["partial_item"] is None
+        if ack["verified"]:
+            assert ack["post_apply_mismatches"] == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
+    _, kind, tp, extra = case
+    r, versions = _run(kind, tp, extra, tmp_path)
+    ranks = tp
+    # apply before prewarm: a clear error
+    assert "dcr_prewarm has not been called" in r["apply_before_prewarm"]
+    # prewarm is side-effect free and reports every rank
+    assert len(r["prewarm"]) == ranks
+    assert r["d0"] == r["d0_after_prewarm"] == r["d0_after_dense_reload"]
+    for rep in r["prewarm"]:
+        assert rep["unsupported"] == {}, rep["unsupported"]
+        assert rep["format_version"] == 1 and rep["tensors"] > 0
+    if kind == "qwen3-tied":
+        assert r["prewarm"][0]["skipped"] == []  # lm_head is not canonical when tied
+    if extra.get("enable_expert_parallel"):
+        # each rank skips the experts that live on the other rank
+        skipped = [set(rep["skipped"]) for rep in r["prewarm"]]
+        assert all(any(".experts." in n for n in s) for s in skipped)
+        assert not (skipped[0] & skipped[1])
+    # the versions really differ (the oracle is not trivial)
+    assert len({json.dumps(x["digest"]) for x in r["ref"]} | {json.dumps(r["d0"])}) == 4
+    # rejected payloads change nothing
+    for what, per_rank in r["rejections"].items():
+        for res in per_rank:
+            assert res["staged"] == [] and len(res["rejected"]) >= 1, (what, res)
+    assert "base version 5" in r["rejections"]["wrong_base"][0]["rejected"][0]["reason"]
+    assert "field digest" in r["rejections"]["corrupt"][0]["rejected"][0]["reason"]
+    assert "unknown tensor" in r["rejections"]["unknown"][0]["rejected"][0]["reason"]
+    assert "on this receiver" in r["rejections"]["wrong_shape"][0]["rejected"][0]["reason"]
+    assert r["d0_after_rejections"] == r["d0"] == r["d0_after_empty_apply"]
+    # v0 -> v1 (mixed XOR/overwrite), staged twice, applied once: bit-exact with the dense load
+    assert r["n_payloads_v1"] > 1
+    assert all(len(s["staged"]) == r["n_payloads_v1"] for s in r["stage1"])
+    assert all(len(s["duplicates"]) == r["n_payloads_v1"] for s in r["stage1_again"])
+    _ok(r["ack1"])
+    assert r["d1"] == r["ref"][0]["digest"]
+    assert r["tokens1"] == r["ref"][0]["tokens"]
+    # v1 -> v2: a partial XOR apply leaves a mixture; XOR retries are refused; an overwrite
+    # retry of the complete changed set repairs it
+    assert all(not a["ok"] and a["items"] == 5 for a in r["ack2_partial"])
+    assert r["d2_partial"] != r["ref"][1]["digest"] and r["d2_partial"] != r["ref"][0]["digest"]
+    assert all(s["state"] == "dirty" for s in r["status_after_partial"])
+    assert "retry with overwrites" in r["apply2_xor_retry_error"]
+    _ok(r["ack2_retry"])
+    assert r["d2"] == r["ref"][1]["digest"] and r["tokens2"] == r["ref"][1]["tokens"]
+    # v2 -> v3: overwrite-only from a clean receiver
+    _ok(r["ack3"])
+    assert r["d3"] == r["ref"][2]["digest"] and r["tokens3"] == r["ref"][2]["tokens"]
+    if case[0] == "qwen3-tp1":
+        # the dense-load reference itself equals a fresh engine started on v3
+        fresh = tmp_path / "fresh.json"
+        run_program(
+            [
+                PYTHON,
+                str(REPO / "tests/vllm/engine_program.py"),
+                "--model",
+                versions[3],
+                "--tp",
+                "1",
+                "--prompts",
+                json.dumps(["hello world the policy", "a refit sends only the bits"]),
+                "--out",
+                str(fresh),
+            ],
+            timeout=480,
+            env=base_env(),
+            log=tmp_path / "fresh.log",
+        )
+        f = json.loads(fresh.read_text())
+        assert f["digests"] == r["d3"]
+        assert f["tokens"] == r["tokens3"]

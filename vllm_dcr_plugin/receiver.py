@@ -1,0 +1,459 @@
+"""The receiver state machine of one rank: prewarm, stage, apply, commit, abort, dense load.
+
+Works on any ``torch.nn.Module`` with a vLLM-style ``load_weights(iterable of (name, tensor))``;
+`DCRWorkerExtension` holds one per vLLM worker. States:
+
+- ``clean``: weights are exactly the committed version. XOR and overwrite items accepted.
+- ``applied``: an attempt for (committed -> target) applied completely; awaiting ``commit``.
+- ``dirty``: an attempt failed part-way; weights are a mixture. Only overwrite items (a retry of
+  the complete changed set) are accepted until an attempt succeeds.
+
+``commit(target)`` moves applied -> clean at the new version; ``dense_load(path, version)``
+restores clean at any version. Every payload must have ``base_version == committed_version``.
+
+Limitations:
+1. One transition at a time; payloads for the next version are rejected until commit.
+2. Request gating is the caller's job (`gate` callable): apply refuses while requests run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared_codec import FORMAT_VERSION
+from shared_codec.checkpoint import combined_digest, iter_checkpoint, tensor_digest
+from shared_codec.dtypes import dtype_of
+from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
+from shared_codec.format import decode_payload
+from shared_codec.records import Kind
+from vllm_dcr_plugin.apply import apply_item
+from vllm_dcr_plugin.intercept import (
+    TraceHandler,
+    ViewGeom,
+    WriteInterceptMode,
+    storage_key,
+)
+from vllm_dcr_plugin.staging import StagingArea, TensorSpec
+
+KEY_ENV = "DCR_PAYLOAD_KEY"
+
+
+def key_from_env() -> bytes | None:
+    """The shared payload secret from ``DCR_PAYLOAD_KEY`` (hex), if set."""
+    raw = os.environ.get(KEY_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise ProtocolError(f"{KEY_ENV} must be hex-encoded") from None
+
+
+class Receiver:
+    """Receiver state for one rank (see module docstring). Methods return plain values."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        rank: dict[str, int],
+        gate: Callable[[], str | None] | None = None,
+        loader_condition: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.model = model
+        self.rank = rank
+        self.gate = gate or (lambda: None)
+        self.loader_condition = loader_condition or (lambda: None)
+        self.tensors: dict[str, TensorSpec] = {}
+        self.skipped: set[str] = set()
+        self.overwrite_only: dict[str, str] = {}
+        self.unsupported: dict[str, str] = {}
+        self.scratch: torch.Tensor | None = None
+        self.staging = StagingArea(key=key_from_env())
+        self.committed_version = 0
+        self.state = "clean"
+        self.target_version: int | None = None
+        self.last_ack: dict[str, Any] | None = None
+
+    # -- model storage -------------------------------------------------------------------
+    def _named_storages(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
+            if t.numel():
+                out.setdefault(storage_key(t), name)
+        return out
+
+    def _param_snapshot(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        return {
+            n: (storage_key(p), tuple(p.shape))
+            for n, p in list(self.model.named_parameters()) + list(self.model.named_buffers())
+        }
+
+    # -- prewarm ---------------------------------------------------------------------------
+    def prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
+        """Register canonical tensors, reserve scratch, and trace the loader once per tensor
+        with every write into model storage suppressed. Returns the capability report."""
+        if self.state != "clean" and self.tensors:
+            raise ProtocolError("prewarm during a transition; commit or dense-load first")
+        specs: dict[str, TensorSpec] = {}
+        for entry in tensors:
+            name, dtype, shape = entry[0], entry[1], entry[2]
+            specs[str(name)] = TensorSpec(dtype_of(str(dtype)).name, tuple(int(s) for s in shape))
+        largest = max(
+            (dtype_of(s.dtype).itemsize * _numel(s.shape) for s in specs.values()), default=0
+        )
+        self.scratch = torch.zeros(largest, dtype=torch.uint8)
+        storages = self._named_storages()
+        before = self._param_snapshot()
+        saved = {n: p.data for n, p in self.model.named_parameters()}
+        condition = self.loader_condition()
+        skipped: set[str] = set()
+        overwrite_only: dict[str, str] = {}
+        unsupported: dict[str, str] = {}
+        coverage: dict[str, list[tuple[str, ViewGeom]]] = {}
+        for name, spec in specs.items():
+            if condition:
+                unsupported[name] = condition
+                continue
+            d = dtype_of(spec.dtype)
+            view = self.scratch[: d.itemsize * _numel(spec.shape)].view(d.torch_dtype)
+            view = view.view(spec.shape)
+            handler = TraceHandler(storages, storage_key(self.scratch))
+            try:
+                with WriteInterceptMode(storages, handler):
+                    loaded = self.model.load_weights([(name, view)])  # type: ignore[operator]
+            except Exception as e:  # the loader refused this tensor: cannot refit it in place
+                unsupported[name] = f"loader raised {type(e).__name__}: {e}"
+                continue
+            finally:
+                after = self._param_snapshot()
+                if after != before:
+                    self._restore_rebinding(saved)
+            if after != before:
+                unsupported[name] = "loader rebinds parameters (param.data = ...)"
+                continue
+            reason = _classify(handler.records, set(loaded) if loaded is not None else None)
+            if reason == "skip":
+                skipped.add(name)
+            elif reason.startswith("unsupported:"):
+                unsupported[name] = reason.removeprefix("unsupported: ")
+            else:
+                if reason:
+                    overwrite_only[name] = reason
+                for r in handler.records:
+                    if r.op.startswith("copy_"):
+                        coverage.setdefault(r.param, []).append((name, r.dest))
+        for name, why in _overlaps(coverage).items():
+            overwrite_only.setdefault(name, why)
+        if self.scratch.numel() and int(self.scratch.count_nonzero()):
+            raise AssertionError("prewarm left non-zero scratch")
+        self.tensors = specs
+        self.skipped = skipped
+        self.overwrite_only = overwrite_only
+        self.unsupported = unsupported
+        self.committed_version = int(committed_version)
+        self.state = "clean"
+        self.staging.new_transition()
+        return {
+            "format_version": FORMAT_VERSION,
+            **self.rank,
+            "tensors": len(specs),
+            "skipped": sorted(skipped),
+            "overwrite_only": dict(sorted(overwrite_only.items())),
+            "unsupported": dict(sorted(unsupported.items())),
+            "scratch_bytes": int(self.scratch.numel()),
+            "committed_version": self.committed_version,
+        }
+
+    def _restore_rebinding(self, saved: dict[str, torch.Tensor]) -> None:
+        """Undo ``param.data = ...`` done by a traced loader (keeps prewarm side-effect free)."""
+        params = dict(self.model.named_parameters())
+        for name, data in saved.items():
+            p = params.get(name)
+            if (
+                p is None
+                or p.data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+            ):
+                if p is None:
+                    raise LoaderConditionError(
+                        f"the loader replaced parameter {name} during a trace; restart the engine"
+                    )
+                p.data = data
+
+    def _require_prewarm(self) -> None:
+        if self.scratch is None:
+            raise ProtocolError(
+                "dcr_prewarm has not been called on this rank: call "
+                "collective_rpc('dcr_prewarm', args=(tensors,)) before staging or applying"
+            )
+
+    # -- stage / apply / commit ------------------------------------------------------------
+    def stage(self, payloads: list) -> dict[str, Any]:
+        """Validate, deduplicate and keep payloads (see staging.py). Returns lists of ids."""
+        self._require_prewarm()
+        res = self.staging.stage(
+            list(payloads),
+            committed_version=self.committed_version,
+            tensors=self.tensors,
+            no_xor=set(self.overwrite_only),
+            unsupported=set(self.unsupported),
+        )
+        res["rank"] = self.rank.get("rank", 0)
+        return res
+
+    def apply(
+        self, attempt: int, verify: bool = False, fail_after_items: int | None = None
+    ) -> dict[str, Any]:
+        """Apply every staged payload of `attempt` in place; returns the ACK (plain dict).
+
+        `fail_after_items` is fault injection for recovery tests: the attempt fails (as a loader
+        error would) after that many items were applied, leaving a partial apply behind.
+        """
+        self._require_prewarm()
+        assert self.scratch is not None
+        gate = self.gate()
+        if gate:
+            raise ProtocolError(f"request gate closed for apply: {gate}")
+        attempt = int(attempt)
+        if attempt in self.staging.fenced:
+            raise ProtocolError(f"attempt {attempt} was aborted; start a new attempt")
+        staged = self.staging.take(attempt)
+        targets = {p.header.meta.version for p in staged}
+        if len(targets) > 1:
+            raise ProtocolError(f"attempt {attempt} mixes target versions {sorted(targets)}")
+        target = targets.pop() if targets else None
+        if self.state == "applied" and target is not None and target != self.target_version:
+            raise ProtocolError(
+                f"receiver holds an applied, uncommitted version {self.target_version}; commit it "
+                f"before applying version {target}"
+            )
+        has_xor = any(e.kind == Kind.XOR for p in staged for e in p.header.items)
+        if has_xor and self.state != "clean":
+            raise ProtocolError(
+                f"attempt {attempt} has XOR items but this receiver is {self.state} (weights are "
+                "not exactly the committed version); retry with overwrites of the complete set"
+            )
+        ack: dict[str, Any] = {
+            "ok": False,
+            "attempt": attempt,
+            "rank": self.rank.get("rank", 0),
+            "target_version": target,
+            "payloads": 0,
+            "items": 0,
+            "skipped_items": 0,
+            "elements_written": 0,
+            "bytes": 0,
+            "compressed_bytes": 0,
+            "post_apply_mismatches": 0 if verify else None,
+            "verified": bool(verify),
+            "timings": {"decode_s": 0.0, "apply_s": 0.0},
+            "error": None,
+            "partial_item": None,
+        }
+        storages = self._named_storages()
+        before = self._param_snapshot()
+        touched = False
+        t_start = time.perf_counter()
+        try:
+            for sp in staged:
+                t0 = time.perf_counter()
+                payload = decode_payload(
+                    sp.data, key=self.staging.key, max_body=self.staging.max_body
+                )
+                ack["timings"]["decode_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for item in payload.items:
+                    if item.name in self.skipped:
+                        ack["skipped_items"] += 1
+                        continue
+                    if fail_after_items is not None and ack["items"] >= fail_after_items:
+                        raise LoaderConditionError(
+                            f"injected failure after {fail_after_items} items (fault injection)"
+                        )
+                    ack["partial_item"] = item.name
+                    touched = True
+                    res = apply_item(
+                        self.model,
+                        item,
+                        scratch=self.scratch,
+                        model_storages=storages,
+                        masked=item.name in self.overwrite_only,
+                        verify=verify,
+                    )
+                    ack["partial_item"] = None
+                    ack["items"] += 1
+                    ack["elements_written"] += res.elements_written
+                    ack["bytes"] += item.raw_bytes
+                    if verify:
+                        ack["post_apply_mismatches"] += res.mismatches
+                if self._param_snapshot() != before:
+                    raise LoaderConditionError("the loader rebound parameters during apply")
+                ack["timings"]["apply_s"] += time.perf_counter() - t0
+                ack["payloads"] += 1
+                ack["compressed_bytes"] += len(sp.data)
+                self.staging.mark_applied(attempt, sp.header.payload_id)
+        except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
+            ack["error"] = f"{type(e).__name__}: {e}"
+            if touched:
+                self.state = "dirty"
+                self.target_version = target
+            self.last_ack = ack
+            return ack
+        ack["timings"]["total_s"] = time.perf_counter() - t_start
+        if verify and ack["post_apply_mismatches"]:
+            ack["error"] = f"post-apply check found {ack['post_apply_mismatches']} mismatches"
+            self.state = "dirty"
+            self.target_version = target
+            self.last_ack = ack
+            return ack
+        ack["ok"] = True
+        if target is not None:
+            self.state = "applied"
+            self.target_version = target
+        self.last_ack = ack
+        return ack
+
+    def commit(self, version: int) -> dict[str, Any]:
+        """The coordinator committed `version`: make it this receiver's committed version."""
+        version = int(version)
+        if self.state == "clean" and version == self.committed_version:
+            return {"committed_version": version, "changed": False}
+        if self.state != "applied" or self.target_version != version:
+            raise ProtocolError(
+                f"cannot commit version {version}: receiver is {self.state} with target "
+                f"{self.target_version} and committed {self.committed_version}"
+            )
+        self.committed_version = version
+        self.state = "clean"
+        self.target_version = None
+        self.staging.new_transition()
+        return {"committed_version": version, "changed": True}
+
+    def abort(self, attempt: int) -> dict[str, Any]:
+        """Fence `attempt`: drop its staged payloads and refuse its late payloads."""
+        dropped = self.staging.fence(int(attempt))
+        return {"attempt": int(attempt), "dropped": dropped, "state": self.state}
+
+    # -- digests and dense load -------------------------------------------------------------
+    def digest(self) -> dict[str, Any]:
+        """Per-name digests of every parameter and buffer of this rank, and a combined one."""
+        per = {n: tensor_digest(t) for n, t in self.model.named_parameters()}
+        per.update({f"buffer:{n}": tensor_digest(t) for n, t in self.model.named_buffers()})
+        return {**self.rank, "digest": combined_digest(per), "tensors": per}
+
+    def dense_load(self, path: str, version: int) -> dict[str, Any]:
+        """Dense refit from a canonical checkpoint directory through ``load_weights``; the
+        receiver is then clean at `version` (how new or restarted receivers join)."""
+        gate = self.gate()
+        if gate:
+            raise ProtocolError(f"request gate closed for dense load: {gate}")
+        t0 = time.perf_counter()
+        loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
+        self.committed_version = int(version)
+        self.state = "clean"
+        self.target_version = None
+        self.staging.new_transition()
+        return {
+            **self.rank,
+            "loaded": len(loaded) if loaded is not None else None,
+            "seconds": time.perf_counter() - t0,
+            "committed_version": int(version),
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.rank,
+            "state": self.state,
+            "committed_version": self.committed_version,
+            "target_version": self.target_version,
+            "prewarmed": self.scratch is not None,
+            "staged_payloads": sum(len(v) for v in self.staging.staged.values()),
+            "staged_bytes": self.staging.staged_bytes,
+        }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _classify(records: list, loaded: set[str] | None) -> str:
+    """'' (direct, XOR ok), 'skip', an overwrite-only reason, or 'unsupported: reason'."""
+    copies = [r for r in records if r.op.startswith("copy_")]
+    others = [r for r in records if not r.op.startswith("copy_")]
+    if not records:
+        if loaded:
+            return "unsupported: loader reports tensors loaded but no write was intercepted"
+        return "skip"
+    for r in others:
+        if r.from_scratch:
+            return f"unsupported: {r.op} from the item into {r.param}"
+        if r.changes_resident:
+            return f"unsupported: {r.op} into {r.param} would change resident bits"
+    if not copies:
+        return "unsupported: only non-copy writes intercepted"
+    if loaded is not None and {r.param for r in copies} - loaded:
+        return "unsupported: loader wrote parameters it did not report as loaded"
+    reasons = []
+    for r in copies:
+        if r.src is None:
+            reasons.append(f"transformed copy into {r.param}")
+        elif r.src_dtype != r.dest_dtype:
+            reasons.append(f"cast {r.src_dtype}->{r.dest_dtype} into {r.param}")
+        elif r.src.shape != r.dest.shape or not (r.src.nested() and r.dest.nested()):
+            reasons.append(f"non-nested or broadcast view copy into {r.param}")
+    seen: dict[str, list[ViewGeom]] = {}
+    for r in copies:
+        seen.setdefault(r.param, []).append(r.dest)
+    for param, views in seen.items():
+        if len(views) > 1 and _views_overlap(views):
+            reasons.append(f"overlapping writes into {param}")
+    return "; ".join(reasons)
+
+
+def _views_overlap(views: list[ViewGeom]) -> bool:
+    return bool(_overlapping_views([("", v) for v in views]))
+
+
+def _overlapping_views(entries: list[tuple[str, ViewGeom]]) -> set[int]:
+    """Indices of entries whose view overlaps an earlier entry's view (one bitmap per param,
+    one view's offsets at a time)."""
+    import numpy as np
+
+    end = max((int(v.offsets().max()) + 1 for _, v in entries if v.numel), default=0)
+    seen = np.zeros(end, dtype=bool)
+    out: set[int] = set()
+    for i, (_, v) in enumerate(entries):
+        offs = v.offsets()
+        if offs.size and (seen[offs].any() or np.unique(offs).size != offs.size):
+            out.add(i)
+        seen[offs] = True
+    return out
+
+
+def _overlaps(coverage: dict[str, list[tuple[str, ViewGeom]]]) -> dict[str, str]:
+    """Canonical tensors whose copies overlap another copy into the same parameter."""
+    out: dict[str, str] = {}
+    for param, entries in coverage.items():
+        if len(entries) < 2:
+            continue
+        hits = _overlapping_views(entries)
+        if not hits:
+            continue
+        names = {entries[i][0] for i in hits}
+        # the earlier writer of an overlapped region is affected too
+        for i in hits:
+            offs = set(entries[i][1].offsets().tolist())
+            for name, v in entries[:i]:
+                if offs.intersection(v.offsets().tolist()):
+                    names.add(name)
+        for name in names:
+            out[name] = f"overlapping writes into {param}"
+    return out

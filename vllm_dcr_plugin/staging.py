@@ -1,0 +1,140 @@
+"""Staging: validate, deduplicate and hold payloads (compressed, in host memory) until apply.
+
+`StagingArea.stage` checks each payload completely before keeping it: digest and key, format,
+payload id, that its base version is the receiver's committed version, that its attempt is not
+fenced, that every item names a tensor of the prewarm table with the same dtype and shape, that
+XOR items only target tensors whose loader path takes XOR, and that the body decodes. A rejected
+payload is not kept and changes nothing; a payload whose id was already staged or applied in the
+current transition is reported as a duplicate and dropped (XOR twice would restore old bits).
+
+Limitations:
+1. Validation decodes each payload once here and again at apply (the bytes stay compressed in
+   between, so staging memory is the compressed size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared_codec.errors import PayloadError
+from shared_codec.format import DEFAULT_MAX_BODY, PayloadHeader, decode_payload
+from shared_codec.records import Kind
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A canonical tensor as prewarm registered it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StagedPayload:
+    header: PayloadHeader
+    data: bytes
+
+
+@dataclass
+class StagingArea:
+    """Per-receiver store of staged payloads, keyed by attempt then payload id."""
+
+    key: bytes | None = None
+    max_body: int = DEFAULT_MAX_BODY
+    staged: dict[int, dict[bytes, StagedPayload]] = field(default_factory=dict)
+    applied_ids: set[bytes] = field(default_factory=set)
+    fenced: set[int] = field(default_factory=set)
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(len(p.data) for per in self.staged.values() for p in per.values())
+
+    def stage(
+        self,
+        payloads: list[bytes],
+        *,
+        committed_version: int,
+        tensors: dict[str, TensorSpec],
+        no_xor: set[str],
+        unsupported: set[str],
+    ) -> dict:
+        """Validate and keep `payloads`; returns {"staged", "duplicates", "rejected"}.
+
+        ``staged`` and ``duplicates`` are lists of payload ids (hex); ``rejected`` is a list of
+        {"index", "payload_id", "reason"} in input order.
+        """
+        out: dict[str, list] = {"staged": [], "duplicates": [], "rejected": []}
+        for i, data in enumerate(payloads):
+            data = bytes(data)
+            try:
+                payload = decode_payload(data, key=self.key, max_body=self.max_body)
+            except PayloadError as e:
+                out["rejected"].append({"index": i, "payload_id": None, "reason": str(e)})
+                continue
+            h = payload.header
+            pid = h.payload_id_hex
+            reason = self._check(h, committed_version, tensors, no_xor, unsupported)
+            if reason:
+                out["rejected"].append({"index": i, "payload_id": pid, "reason": reason})
+                continue
+            per = self.staged.setdefault(h.meta.attempt, {})
+            if h.payload_id in per or h.payload_id in self.applied_ids:
+                out["duplicates"].append(pid)
+                continue
+            per[h.payload_id] = StagedPayload(h, data)
+            out["staged"].append(pid)
+        return out
+
+    def _check(
+        self,
+        h: PayloadHeader,
+        committed_version: int,
+        tensors: dict[str, TensorSpec],
+        no_xor: set[str],
+        unsupported: set[str],
+    ) -> str | None:
+        pid = h.payload_id_hex
+        m = h.meta
+        if m.base_version != committed_version:
+            return (
+                f"payload {pid}: base version {m.base_version} != committed version "
+                f"{committed_version} (stale or foreign delta)"
+            )
+        if m.version <= m.base_version:
+            return f"payload {pid}: target version {m.version} <= base version {m.base_version}"
+        if m.attempt in self.fenced:
+            return f"payload {pid}: attempt {m.attempt} was aborted (fenced)"
+        for e in h.items:
+            spec = tensors.get(e.name)
+            if spec is None:
+                return f"payload {pid}: unknown tensor {e.name!r} (not in the prewarm table)"
+            if spec.dtype != e.dtype or spec.shape != e.shape:
+                return (
+                    f"payload {pid}: tensor {e.name} is {e.dtype}{list(e.shape)} in the payload, "
+                    f"{spec.dtype}{list(spec.shape)} on this receiver"
+                )
+            if e.name in unsupported:
+                return f"payload {pid}: tensor {e.name} has an unsupported loader path (prewarm)"
+            if e.kind == Kind.XOR and e.name in no_xor:
+                return f"payload {pid}: XOR item for {e.name}, whose loader path needs overwrites"
+        return None
+
+    def take(self, attempt: int) -> list[StagedPayload]:
+        """The staged payloads of `attempt` in (owner, sequence) order (still held)."""
+        per = self.staged.get(attempt, {})
+        return sorted(per.values(), key=lambda p: (p.header.meta.owner, p.header.meta.sequence))
+
+    def mark_applied(self, attempt: int, payload_id: bytes) -> None:
+        self.applied_ids.add(payload_id)
+        self.staged.get(attempt, {}).pop(payload_id, None)
+
+    def fence(self, attempt: int) -> int:
+        """Abort `attempt`: drop its staged payloads and refuse its late ones. Returns dropped."""
+        self.fenced.add(attempt)
+        return len(self.staged.pop(attempt, {}))
+
+    def new_transition(self) -> None:
+        """Forget everything of the finished transition (after commit or dense load)."""
+        self.staged.clear()
+        self.applied_ids.clear()
+        self.fenced.clear()
