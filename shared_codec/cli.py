@@ -5,6 +5,8 @@ Subcommands (each has ``--help``):
 - ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
   qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
+- ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
+  vLLM; imported only by this subcommand).
 
 Heavy packages are imported only inside the subcommand that needs them.
 """
@@ -59,6 +61,13 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
     return bench_codec.main(args.json, args.table2_elements, args.payload_elements)
 
 
+def cmd_bench_apply(args: argparse.Namespace) -> int:
+    # vLLM is imported only here: shared_codec itself never depends on it.
+    from vllm_dcr_plugin import bench_apply
+
+    return bench_apply.main(args.json, args.size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared_codec.tiny_models import KINDS
 
@@ -93,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint elements for the payload-size runs",
     )
     p.set_defaults(func=cmd_bench_codec)
+    p = bsub.add_parser("apply", help="in-place apply vs dense load on a real vLLM engine")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--size", choices=("medium", "small"), default="medium",
+                   help="medium: ~165M parameters (default); small: a quick run")
+    p.set_defaults(func=cmd_bench_apply)
 
     def bench_help(_args: argparse.Namespace) -> int:
         bench.print_help()

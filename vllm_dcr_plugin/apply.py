@@ -6,8 +6,11 @@ reported. See intercept.py for the direct (XOR or overwrite, O(entries)) and mas
 through transformed copies) paths, and for the rule on writes that do not come from the item.
 
 Scratch invariant: outside `apply_item` the scratch buffer is all zero bits (the XOR placeholder).
-Direct-path items scatter their values and clear exactly those positions afterwards (O(entries));
-masked-path items fill their region with the overwrite placeholder and re-zero it afterwards.
+Direct-path items are not materialised in scratch: the loader sees the all-zero view and the
+intercepted copy's geometry maps the item's entries straight to destination offsets, which is
+what scattering masks into a zero scratch and XORing the copied view would do, without touching
+inactive positions (O(entries) instead of O(tensor)). Masked-path items fill their region with
+the overwrite placeholder, scatter their values, and re-zero the region afterwards.
 
 Limitations:
 1. Masked path: floating dtypes use NaN as the placeholder, so overwrite values that are NaN
@@ -120,14 +123,27 @@ class ApplyHandler:
         if not dst_off.size:
             return
         flat = flat_storage_bits(dest)
-        idx = torch.from_numpy(dst_off).to(dest.device)
-        vals = torch.from_numpy(self.item.values[valid].view(_NP_INT[dest.element_size()]))
-        vals = vals.to(dest.device)
-        new = flat[idx] ^ vals if self.item.kind == Kind.XOR else vals
-        flat[idx] = new
+        vals_np = self.item.values[valid] if not valid.all() else self.item.values
+        vals_np = vals_np.view(_NP_INT[dest.element_size()])
+        xor = self.item.kind == Kind.XOR
+        if dest.device.type == "cpu":  # numpy fancy indexing: ~2x faster than torch here
+            arr = flat.numpy()
+            if self.verify:  # compute the expected bits explicitly, re-read them in check()
+                new_np = arr[dst_off] ^ vals_np if xor else vals_np.copy()
+                arr[dst_off] = new_np
+                self._checks.append((flat, torch.from_numpy(dst_off), torch.from_numpy(new_np)))
+            elif xor:
+                arr[dst_off] ^= vals_np
+            else:
+                arr[dst_off] = vals_np
+        else:
+            idx = torch.from_numpy(dst_off).to(dest.device)
+            vals = torch.from_numpy(vals_np).to(dest.device)
+            new = flat[idx] ^ vals if xor else vals
+            flat[idx] = new
+            if self.verify:
+                self._checks.append((flat, idx, new.clone()))
         self.result.elements_written += int(dst_off.size)
-        if self.verify:
-            self._checks.append((flat, idx, new.clone()))
 
     def _masked(self, param: str, src: torch.Tensor, dest: torch.Tensor) -> None:
         self.result.path = "masked"
@@ -207,8 +223,8 @@ def apply_item(
     view = scratch[:nbytes].view(d.torch_dtype).view(item.shape)
     bits = int_view(view).reshape(-1)
     placeholder_bits = None
-    idx = torch.from_numpy(item.indices)
     if masked:
+        idx = torch.from_numpy(item.indices)
         if item.kind == Kind.XOR:
             raise LoaderConditionError(f"{item.name}: XOR item for an overwrite-only loader path")
         placeholder_bits, placeholder = _placeholder_for(item)
@@ -216,8 +232,8 @@ def apply_item(
             view.fill_(placeholder)
         else:
             bits.fill_(int(placeholder_bits))  # type: ignore[arg-type]
-    vals = torch.from_numpy(item.values.view(_NP_INT[d.itemsize]))
-    bits[idx] = vals
+    if masked:
+        bits[idx] = torch.from_numpy(item.values.view(_NP_INT[d.itemsize]))
     handler = ApplyHandler(item, model_storages, storage_key(scratch), verify, placeholder_bits)
     loader: Any = load_weights or getattr(model, "load_weights")  # noqa: B009
     try:
@@ -226,8 +242,6 @@ def apply_item(
     finally:
         if masked:
             bits.zero_()
-        else:
-            bits[idx] = 0
     result = handler.result
     if loaded is not None:
         check_loader_report(item.name, set(loaded), result)

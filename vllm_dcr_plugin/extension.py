@@ -161,6 +161,11 @@ class DCRWorkerExtension:
         return self._dcr_receiver().dense_load(path, version)
 
     @_rpc
+    def dcr_memory(self, reset_peak: bool = False) -> dict[str, Any]:
+        """RSS and peak RSS of this worker process (peak reset first with `reset_peak`)."""
+        return self._dcr_receiver().memory(reset_peak)
+
+    @_rpc
     def dcr_status(self) -> dict[str, Any]:
         """Receiver state: clean/applied/dirty, versions, staged payloads and bytes."""
         return self._dcr_receiver().status()

@@ -89,6 +89,15 @@ class ViewGeom:
                 return False
         return all(st >= 1 for st, _ in dims)
 
+    def contiguous(self) -> bool:
+        """True when the view is one dense row-major block of its storage."""
+        expected = 1
+        for sz, st in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if sz != 1 and st != expected:
+                return False
+            expected *= sz
+        return True
+
     def offsets(self) -> np.ndarray:
         """Storage offsets of every element, in row-major order of the view."""
         out = np.full(self.shape, self.offset, dtype=np.int64)
@@ -101,7 +110,16 @@ class ViewGeom:
 
 def map_through_view(k: np.ndarray, src: ViewGeom, dst: ViewGeom) -> tuple[np.ndarray, np.ndarray]:
     """Map source storage offsets `k` (scratch = canonical flat indices) through a copy from view
-    `src` to view `dst` (same shape). Returns (mask of k inside `src`, destination offsets)."""
+    `src` to view `dst` (same shape). Returns (mask of k inside `src`, destination offsets).
+
+    `k` must be sorted. Dense blocks on both sides (whole tensors, row slices: the common case)
+    take a fast path: a binary search for the block and one subtraction.
+    """
+    if src.contiguous() and dst.contiguous():
+        lo, hi = np.searchsorted(k, [src.offset, src.offset + src.numel])
+        valid = np.zeros(k.shape, dtype=bool)
+        valid[lo:hi] = True
+        return valid, k[lo:hi] - (src.offset - dst.offset)
     r = k - src.offset
     valid = r >= 0
     dest = np.full(k.shape, dst.offset, dtype=np.int64)

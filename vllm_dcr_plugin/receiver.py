@@ -365,6 +365,28 @@ class Receiver:
             "committed_version": int(version),
         }
 
+    def memory(self, reset_peak: bool = False) -> dict[str, Any]:
+        """Resident and peak resident set size of this process (Linux /proc); with
+        `reset_peak` the peak is reset to the current RSS first (for peak-delta measurements)."""
+        if reset_peak:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        fields: dict[str, int] = {}
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        fields[key] = int(rest.split()[0]) * 1024
+        except OSError:
+            pass
+        scratch = 0 if self.scratch is None else int(self.scratch.numel())
+        return {**self.rank, "rss_bytes": fields.get("VmRSS"), "peak_rss_bytes": fields.get("VmHWM"),
+                "scratch_bytes": scratch, "staged_bytes": self.staging.staged_bytes}
+
     def status(self) -> dict[str, Any]:
         return {
             **self.rank,

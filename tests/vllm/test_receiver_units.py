@@ -1,0 +1,179 @@
+"""Receiver core with a FAKE loader (pure unit test, labelled as such: the integration tests in
+test_receiver.py use real vLLM engines). The fake loader exercises loader paths the tiny Qwen3
+models do not have: transposed and cast copies (masked overwrite path), padding fills, index
+writes from the item, fills that would change weights, and parameter rebinding."""
+
+from __future__ import annotations
+
+import torch
+
+from shared_codec.buckets import encode_items
+from shared_codec.checkpoint import state_digests
+from shared_codec.format import PayloadMeta
+from shared_codec.records import Kind, apply_items, diff_tensors
+from vllm_dcr_plugin.receiver import Receiver
+
+
+class FakeLoaderModel(torch.nn.Module):
+    """FAKE: a module with a vLLM-style load_weights covering unusual loader paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        z = torch.zeros
+        self.t = torch.nn.Parameter(z(4, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.c = torch.nn.Parameter(z(10, dtype=torch.float32), requires_grad=False)
+        self.d = torch.nn.Parameter(z(8, dtype=torch.bfloat16), requires_grad=False)
+        self.e = torch.nn.Parameter(z(4, dtype=torch.bfloat16), requires_grad=False)
+        self.f = torch.nn.Parameter(z(3, dtype=torch.bfloat16), requires_grad=False)
+        self.g = torch.nn.Parameter(z(3, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("buf", torch.arange(5, dtype=torch.float32))
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name == "t.weight":  # stored transposed: a transformed (contiguous) copy
+                self.t.copy_(w.t().contiguous())
+                loaded.add("t")
+            elif name == "c.weight":  # stored in fp32: a cast copy
+                self.c.copy_(w.to(torch.float32))
+                loaded.add("c")
+            elif name == "d.weight":  # direct copy plus padding fill
+                self.d[:5].copy_(w)
+                self.d[5:].fill_(0)
+                loaded.add("d")
+            elif name == "e.weight":  # index write from the item
+                self.e.index_copy_(0, torch.tensor([0, 2]), w)
+                loaded.add("e")
+            elif name == "f.weight":  # a fill that changes weights
+                self.f.fill_(1.0)
+                loaded.add("f")
+            elif name == "g.weight":  # rebinding
+                self.g.data = w.clone()
+                loaded.add("g")
+            elif name == "skip.weight":
+                pass
+        return loaded
+
+
+CANON = {
+    "t.weight": ((6, 4), torch.bfloat16),
+    "c.weight": ((10,), torch.bfloat16),
+    "d.weight": ((5,), torch.bfloat16),
+    "e.weight": ((2,), torch.bfloat16),
+    "f.weight": ((3,), torch.bfloat16),
+    "g.weight": ((3,), torch.bfloat16),
+    "skip.weight": ((7,), torch.bfloat16),
+}
+
+
+def _canonical(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(dt) for n, (s, dt) in CANON.items()}
+
+
+def _dense(model: FakeLoaderModel, tensors: dict[str, torch.Tensor]) -> None:
+    model.load_weights([(n, t) for n, t in tensors.items() if n in ("t.weight", "c.weight",
+                                                                    "d.weight")])
+
+
+def test_fake_loader_paths_classified_and_applied_exactly() -> None:
+    model = FakeLoaderModel()
+    v0, v1 = _canonical(0), _canonical(0)
+    for n in v1:  # change a few elements of every tensor
+        flat = v1[n].reshape(-1)
+        flat[::3] = (flat[::3].float() * 1.5 + 0.25).to(flat.dtype)
+    _dense(model, v0)
+    rx = Receiver(model, rank={"rank": 0})
+    before = state_digests(dict(model.named_parameters()) | dict(model.named_buffers()))
+    table = [[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()]
+    report = rx.prewarm(table, committed_version=0)
+    after = state_digests(dict(model.named_parameters()) | dict(model.named_buffers()))
+    assert before == after  # side-effect free, rebinding undone
+    assert report["skipped"] == ["skip.weight"]
+    assert set(report["overwrite_only"]) == {"t.weight", "c.weight"}
+    assert set(report["unsupported"]) == {"e.weight", "f.weight", "g.weight"}
+    assert "rebinds" in report["unsupported"]["g.weight"]
+    assert "index_copy" in report["unsupported"]["e.weight"]
+    assert "would change resident bits" in report["unsupported"]["f.weight"]
+    assert report["scratch_bytes"] == 2 * 24
+
+    refit = ("t.weight", "c.weight", "d.weight")
+    items = []
+    for n in refit:
+        kind = Kind.OVERWRITE if n in report["overwrite_only"] else Kind.XOR
+        items.append(diff_tensors(n, v0[n], v1[n], owner=0, kind=kind))
+    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
+    st = rx.stage(encode_items(items, meta))
+    assert len(st["staged"]) == 1 and not st["rejected"]
+    ack = rx.apply(0, verify=True)
+    assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+    expected = FakeLoaderModel()
+    _dense(expected, v1)
+    for name in ("t", "c", "d"):
+        assert torch.equal(getattr(model, name).view(torch.uint8),
+                           getattr(expected, name).view(torch.uint8)), name
+    # the same canonical change applied with the reference applier agrees
+    ref = {n: v0[n].clone() for n in refit}
+    apply_items(ref, items)
+    assert all(torch.equal(ref[n].view(torch.int16), v1[n].view(torch.int16)) for n in refit)
+
+
+def test_stage_refuses_xor_for_overwrite_only_and_unsupported_tensors() -> None:
+    model = FakeLoaderModel()
+    rx = Receiver(model, rank={"rank": 0})
+    rx.prewarm([[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()])
+    v0, v1 = _canonical(0), _canonical(1)
+    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
+    for name, why in (("t.weight", "needs overwrites"), ("e.weight", "unsupported loader path")):
+        item = diff_tensors(name, v0[name], v1[name], owner=0, kind=Kind.XOR)
+        res = rx.stage(encode_items([item], meta))
+        assert not res["staged"] and why in res["rejected"][0]["reason"]
+
+
+def test_masked_path_rejects_nan_overwrites_without_writing() -> None:
+    model = FakeLoaderModel()
+    rx = Receiver(model, rank={"rank": 0})
+    rx.prewarm([[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()])
+    old = torch.zeros(6, 4, dtype=torch.bfloat16)
+    new = old.clone()
+    new[0, 0] = float("nan")
+    item = diff_tensors("t.weight", old, new, owner=0, kind=Kind.OVERWRITE)
+    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
+    assert rx.stage(encode_items([item], meta))["staged"]
+    before = model.t.detach().clone()
+    ack = rx.apply(0)
+    assert not ack["ok"] and "NaN overwrite values" in ack["error"]
+    assert torch.equal(model.t.view(torch.int16), before.view(torch.int16))
+    assert rx.scratch is not None and int(rx.scratch.count_nonzero()) == 0
+
+
+def test_map_through_view_matches_brute_force() -> None:
+    """The geometric mapping of canonical indices through copy views (slices, selects,
+    transposes, narrow on any dim) agrees with copying an index-valued tensor."""
+    import numpy as np
+
+    from vllm_dcr_plugin.intercept import ViewGeom, map_through_view
+
+    rng = np.random.default_rng(0)
+    base = torch.arange(6 * 8 * 5, dtype=torch.int64).reshape(6, 8, 5)
+    views = [
+        base, base[2:5], base[:, 3:7], base[..., 1:4], base[4], base[:, 2], base.transpose(0, 1),
+        base[1:5, 2:6, 0:3], base.select(2, 4), base.unbind(0)[3], base.reshape(48, 5)[10:30],
+    ]
+    for src in views:
+        n = src.numel()
+        dest_store = torch.zeros(2 * n + 7, dtype=torch.int64)
+        if src.dim() >= 2 and rng.random() < 0.5:  # destination stored column-major
+            dims = tuple(reversed(range(src.dim())))
+            dest = dest_store[7 : 7 + n].view(tuple(reversed(src.shape))).permute(*dims)
+        else:
+            dest = dest_store[7 : 7 + n].view(src.shape)
+        k = np.sort(rng.choice(base.numel(), size=80, replace=False)).astype(np.int64)
+        valid, off = map_through_view(k, ViewGeom.of(src), ViewGeom.of(dest))
+        # brute force: copy the index-valued view and read where each index landed
+        probe = torch.full_like(dest_store, -1)
+        probe.as_strided(dest.shape, dest.stride(), dest.storage_offset()).copy_(src)
+        where = {int(v): i for i, v in enumerate(probe.tolist()) if v >= 0}
+        want_valid = np.array([int(x) in where for x in k])
+        assert np.array_equal(valid, want_valid)
+        assert np.array_equal(off, np.array([where[int(x)] for x in k if int(x) in where]))
