@@ -104,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_codec)
     p = bsub.add_parser("apply", help="in-place apply vs dense load on a real vLLM engine")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--size", choices=("medium", "small"), default="medium",
-                   help="medium: ~165M parameters (default); small: a quick run")
+    p.add_argument(
+        "--size",
+        choices=("medium", "small"),
+        default="medium",
+        help="medium: ~165M parameters (default); small: a quick run",
+    )
     p.set_defaults(func=cmd_bench_apply)
 
     def bench_help(_args: argparse.Namespace) -> int:

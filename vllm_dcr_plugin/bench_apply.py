@@ -34,8 +34,15 @@ MEDIUM = {
     "head_dim": 128,
     "vocab_size": 32000,
 }
-SMALL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+}
 
 
 def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> dict[str, Any]:
@@ -61,9 +68,16 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
     ckpt_bytes = sum(t.numel() * t.element_size() for t in ckpt0.values())
     largest = max(t.numel() * t.element_size() for t in ckpt0.values())
     print(f"[bench apply] {n_params / 1e6:.1f}M parameters; starting vLLM", flush=True)
-    llm = LLM(model=str(v0), dtype="bfloat16", enforce_eager=True, max_model_len=256,
-              max_num_seqs=2, gpu_memory_utilization=0.1, seed=0,
-              worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension")
+    llm = LLM(
+        model=str(v0),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=2,
+        gpu_memory_utilization=0.1,
+        seed=0,
+        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
+    )
 
     def rpc(method: str, *args: Any) -> dict[str, Any]:
         out = llm.collective_rpc(method, args=args)[0]
@@ -99,31 +113,40 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
         if not ack["ok"] or len(staged["staged"]) != len(payloads):
             raise RuntimeError(f"apply failed: {ack.get('error')} / {staged['rejected'][:1]}")
         apply_s = ack["timings"]["total_s"]
-        rows.append({
-            "rate": f"{round(rate * 100)}%",
-            "changed_elements": sum(i.count for i in items),
-            "payload_bytes": sum(len(p) for p in payloads),
-            "payloads": len(payloads),
-            "stage_s": stage_s,
-            "apply_s": apply_s,
-            "apply_decode_s": ack["timings"]["decode_s"],
-            "dense_load_s": dense_s,
-            "apply_vs_dense": apply_s / dense_s,
-            "peak_rss_delta_bytes": (mem1["peak_rss_bytes"] or 0) - (mem0["rss_bytes"] or 0),
-            "staged_bytes_before_apply": sum(len(p) for p in payloads),
-        })
-        print(f"[bench apply] {rows[-1]['rate']}: apply {apply_s:.3f} s "
-              f"({100 * apply_s / dense_s:.1f}% of dense)", flush=True)
+        rows.append(
+            {
+                "rate": f"{round(rate * 100)}%",
+                "changed_elements": sum(i.count for i in items),
+                "payload_bytes": sum(len(p) for p in payloads),
+                "payloads": len(payloads),
+                "stage_s": stage_s,
+                "apply_s": apply_s,
+                "apply_decode_s": ack["timings"]["decode_s"],
+                "dense_load_s": dense_s,
+                "apply_vs_dense": apply_s / dense_s,
+                "peak_rss_delta_bytes": (mem1["peak_rss_bytes"] or 0) - (mem0["rss_bytes"] or 0),
+                "staged_bytes_before_apply": sum(len(p) for p in payloads),
+            }
+        )
+        print(
+            f"[bench apply] {rows[-1]['rate']}: apply {apply_s:.3f} s "
+            f"({100 * apply_s / dense_s:.1f}% of dense)",
+            flush=True,
+        )
         rpc("dcr_commit", 1)
         rpc("dcr_dense_load", str(v0), 0)
     llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     shutil.rmtree(work, ignore_errors=True)
     return {
         "benchmark": "apply",
-        "model": {"size": size, **dims, "parameters": n_params, "checkpoint_bytes": ckpt_bytes,
-                  "largest_tensor_bytes": largest},
+        "model": {
+            "size": size,
+            **dims,
+            "parameters": n_params,
+            "checkpoint_bytes": ckpt_bytes,
+            "largest_tensor_bytes": largest,
+        },
         "scratch_bytes": report["scratch_bytes"],
         "scratch_vs_largest_tensor": report["scratch_bytes"] / largest,
         "dense_load_s": dense_s,
@@ -134,16 +157,24 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
 
 def render(res: dict[str, Any]) -> str:
     m = res["model"]
-    out = [f"Apply vs dense load ({m['parameters'] / 1e6:.1f}M params, "
-           f"{m['checkpoint_bytes'] / 1e6:.0f} MB BF16, vLLM CPU TP=1)"]
-    out.append(f"{'rate':>5} | {'changed':>10} | {'payload MB':>10} | {'apply s':>8} | "
-               f"{'dense s':>8} | {'apply/dense':>11} | {'peak RSS +MB':>12}")
+    out = [
+        f"Apply vs dense load ({m['parameters'] / 1e6:.1f}M params, "
+        f"{m['checkpoint_bytes'] / 1e6:.0f} MB BF16, vLLM CPU TP=1)"
+    ]
+    out.append(
+        f"{'rate':>5} | {'changed':>10} | {'payload MB':>10} | {'apply s':>8} | "
+        f"{'dense s':>8} | {'apply/dense':>11} | {'peak RSS +MB':>12}"
+    )
     for r in res["rows"]:
-        out.append(f"{r['rate']:>5} | {r['changed_elements']:10d} | {r['payload_bytes'] / 1e6:10.2f} | "
-                   f"{r['apply_s']:8.3f} | {r['dense_load_s']:8.3f} | {100 * r['apply_vs_dense']:10.1f}% | "
-                   f"{r['peak_rss_delta_bytes'] / 1e6:12.1f}")
-    out.append(f"scratch: {res['scratch_bytes'] / 1e6:.1f} MB = "
-               f"{res['scratch_vs_largest_tensor']:.2f}x the largest canonical tensor")
+        out.append(
+            f"{r['rate']:>5} | {r['changed_elements']:10d} | {r['payload_bytes'] / 1e6:10.2f} | "
+            f"{r['apply_s']:8.3f} | {r['dense_load_s']:8.3f} | {100 * r['apply_vs_dense']:10.1f}% | "
+            f"{r['peak_rss_delta_bytes'] / 1e6:12.1f}"
+        )
+    out.append(
+        f"scratch: {res['scratch_bytes'] / 1e6:.1f} MB = "
+        f"{res['scratch_vs_largest_tensor']:.2f}x the largest canonical tensor"
+    )
     return "\n".join(out)
 
 

@@ -384,8 +384,13 @@ class Receiver:
         except OSError:
             pass
         scratch = 0 if self.scratch is None else int(self.scratch.numel())
-        return {**self.rank, "rss_bytes": fields.get("VmRSS"), "peak_rss_bytes": fields.get("VmHWM"),
-                "scratch_bytes": scratch, "staged_bytes": self.staging.staged_bytes}
+        return {
+            **self.rank,
+            "rss_bytes": fields.get("VmRSS"),
+            "peak_rss_bytes": fields.get("VmHWM"),
+            "scratch_bytes": scratch,
+            "staged_bytes": self.staging.staged_bytes,
+        }
 
     def status(self) -> dict[str, Any]:
         return {

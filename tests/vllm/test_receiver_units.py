@@ -72,8 +72,9 @@ def _canonical(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _dense(model: FakeLoaderModel, tensors: dict[str, torch.Tensor]) -> None:
-    model.load_weights([(n, t) for n, t in tensors.items() if n in ("t.weight", "c.weight",
-                                                                    "d.weight")])
+    model.load_weights(
+        [(n, t) for n, t in tensors.items() if n in ("t.weight", "c.weight", "d.weight")]
+    )
 
 
 def test_fake_loader_paths_classified_and_applied_exactly() -> None:
@@ -110,8 +111,9 @@ def test_fake_loader_paths_classified_and_applied_exactly() -> None:
     expected = FakeLoaderModel()
     _dense(expected, v1)
     for name in ("t", "c", "d"):
-        assert torch.equal(getattr(model, name).view(torch.uint8),
-                           getattr(expected, name).view(torch.uint8)), name
+        assert torch.equal(
+            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
+        ), name
     # the same canonical change applied with the reference applier agrees
     ref = {n: v0[n].clone() for n in refit}
     apply_items(ref, items)
@@ -157,8 +159,17 @@ def test_map_through_view_matches_brute_force() -> None:
     rng = np.random.default_rng(0)
     base = torch.arange(6 * 8 * 5, dtype=torch.int64).reshape(6, 8, 5)
     views = [
-        base, base[2:5], base[:, 3:7], base[..., 1:4], base[4], base[:, 2], base.transpose(0, 1),
-        base[1:5, 2:6, 0:3], base.select(2, 4), base.unbind(0)[3], base.reshape(48, 5)[10:30],
+        base,
+        base[2:5],
+        base[:, 3:7],
+        base[..., 1:4],
+        base[4],
+        base[:, 2],
+        base.transpose(0, 1),
+        base[1:5, 2:6, 0:3],
+        base.select(2, 4),
+        base.unbind(0)[3],
+        base.reshape(48, 5)[10:30],
     ]
     for src in views:
         n = src.numel()

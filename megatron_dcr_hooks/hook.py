@@ -1,0 +1,372 @@
+"""The owner-side optimizer-step hook: detect, project, convert, encode, hand to a sink.
+
+``hook = enable_dcr(model_chunks, optimizer, DCRConfig(...))`` builds conversion tasks from the
+bridge registry (tasks.py), picks owners (ownership.py) and snapshots the committed baseline:
+host-memory trackers of every owned affine shard's stored bits, and the residual baseline of
+canonical tensors owned by a canonical-name hash. With ``wrap_step`` (default) the Megatron
+optimizer's ``step`` is wrapped so `after_step` runs after every successful step; training loops
+may call ``hook.after_step()`` themselves instead.
+
+One transition (every rank calls, in the same order; collectives inside):
+``build(version, attempt)`` -> payloads handed to the sink -> coordinator commits ->
+``commit()`` advances trackers and residual baseline in place; ``abort()`` keeps them;
+``build(version, attempt + 1, retry=True)`` re-emits the complete changed set from the same
+candidate weights as overwrites.
+
+Modes (paper Table 3): X = projection + mixed XOR/overwrite (default), P = projection +
+overwrites, F = full conversion of every tensor through the bridge + overwrites.
+
+Limitations:
+1. PP=1, one model chunk (conversion.py).
+2. Trackers are CPU copies; change detection runs on the parameters' device.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dcr_hooks.ownership import owns, residual_owner
+from megatron_dcr_hooks.tasks import Task, affine_share, build_tasks
+from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig, BucketEncoder
+from shared_codec.dtypes import dtype_of, tensor_bits
+from shared_codec.format import PayloadMeta
+from shared_codec.records import DeltaItem, Kind, make_item
+
+Sink = Callable[[bytes], None]
+
+
+@dataclass
+class DCRConfig:
+    """What a Megatron training config carries to enable DCR.
+
+    `model_type`: HF model type of the bridge registry ("qwen3", "qwen3_moe").
+    `mode`: "X" (default), "P" or "F". `bucket_bytes`: raw record bytes per payload.
+    `key`: shared secret for keyed payload digests. `paper_codec`: the paper's plain streams.
+    `overwrite_only`: canonical tensors receivers cannot take XOR for (union of the receivers'
+    prewarm reports). `force_residual`: mapping class names treated as residual.
+    `queue_depth`: payloads buffered between construction and the sink (back-pressure).
+    `wrap_step`: wrap ``optimizer.step``. `sink`: callable receiving each payload (bytes); the
+    default keeps payloads in ``hook.payloads``.
+    """
+
+    model_type: str = "qwen3"
+    mode: str = "X"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    key: bytes | None = None
+    paper_codec: bool = False
+    overwrite_only: set[str] = field(default_factory=set)
+    force_residual: tuple[str, ...] = ()
+    queue_depth: int = 8
+    wrap_step: bool = True
+    encode_threads: int = 2
+    sink: Sink | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("X", "P", "F"):
+            raise ValueError(f"DCRConfig.mode must be X, P or F, not {self.mode!r}")
+
+
+@dataclass
+class BuildReport:
+    """What one `build` did on this rank (plus the global element change rate)."""
+
+    version: int
+    attempt: int
+    retry: bool
+    items: int = 0
+    entries: int = 0
+    xor_entries: int = 0
+    payloads: int = 0
+    payload_bytes: int = 0
+    owned_elements: int = 0
+    changed_elements: int = 0
+    element_change_rate: float = 0.0
+    residual_tasks_converted: int = 0
+    seconds: float = 0.0
+    detect_seconds: float = 0.0
+
+
+class _SinkThread:
+    """Bounded queue between construction and the sink (the transport)."""
+
+    def __init__(self, sink: Sink, depth: int) -> None:
+        self.q: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, depth))
+        self.error: BaseException | None = None
+        self.t = threading.Thread(target=self._run, args=(sink,), daemon=True, name="dcr-sink")
+        self.t.start()
+
+    def _run(self, sink: Sink) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    sink(item)
+                except BaseException as e:  # surfaced by close()
+                    self.error = e
+
+    def put(self, payload: bytes) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"DCR sink failed: {self.error}") from self.error
+        self.q.put(payload)
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.t.join()
+        if self.error is not None:
+            raise RuntimeError(f"DCR sink failed: {self.error}") from self.error
+
+
+class DCRHook:
+    """Owner-side state of one trainer rank (see the module docstring)."""
+
+    def __init__(self, model_chunks: list[Any], config: DCRConfig) -> None:
+        if len(model_chunks) != 1:
+            raise ValueError("DCR supports one model chunk (no virtual pipeline stages) for now")
+        self.model = model_chunks[0]
+        self.config = config
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.payloads: list[bytes] = []
+        self.tasks: list[Task] = build_tasks(
+            self.model, config.model_type, force_residual=config.force_residual
+        )
+        self.owned = [t for t in self.tasks if owns(t)]
+        self.owned_idx = {t.index for t in self.owned}
+        full = config.mode == "F"
+        self.tracked = [t for t in self.owned if t.kind == "affine" and not full]
+        self.residual_tasks = [t for t in self.tasks if t.kind == "residual" or full]
+        # trackers: committed stored bits of owned shards (affine tasks are projected from
+        # them; owned residual tasks only use them for the changed flag)
+        self.trackers: dict[int, torch.Tensor] = {
+            t.index: t.param.detach().to("cpu", copy=True) for t in self.owned if not full
+        }
+        self.residual_baseline: dict[str, torch.Tensor] = {}
+        self._pending_residual: dict[str, torch.Tensor] = {}
+        self.committed_version = 0
+        self._candidate: int | None = None
+        self.last_report: BuildReport | None = None
+        self._init_residual_baseline()
+
+    # -- baseline ------------------------------------------------------------------------
+    def _convert(self, tasks: list[Task]) -> dict[str, torch.Tensor]:
+        """Canonical tensors of `tasks` via the bridge (collective), kept if this rank owns them."""
+        mine: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for t in tasks:
+                out = t.param_task.mapping.megatron_to_hf(t.param.detach(), t.param_task.module)
+                for name, tensor in out.items():
+                    if residual_owner(name, self.world) == self.rank:
+                        mine[name] = tensor.detach().to("cpu").contiguous().clone()
+        return mine
+
+    def _init_residual_baseline(self) -> None:
+        self.residual_baseline = self._convert(self.residual_tasks)
+
+    def baseline_bytes(self) -> dict[str, int]:
+        """Host memory of this rank's baseline: trackers and residual baseline."""
+        tr = sum(t.numel() * t.element_size() for t in self.trackers.values())
+        rb = sum(t.numel() * t.element_size() for t in self.residual_baseline.values())
+        return {"tracker_bytes": tr, "residual_bytes": rb, "baseline_bytes": tr + rb}
+
+    def report(self) -> dict[str, Any]:
+        """Classification and memory summary (affine share of canonical weight bytes)."""
+        return {
+            "rank": self.rank,
+            "tasks": len(self.tasks),
+            "affine_tasks": sum(t.kind == "affine" for t in self.tasks),
+            "residual_tasks": sum(t.kind == "residual" for t in self.tasks),
+            "owned_tasks": len(self.owned),
+            **affine_share(self.tasks),
+            **self.baseline_bytes(),
+        }
+
+    # -- one transition ------------------------------------------------------------------
+    def build(
+        self, version: int, attempt: int = 0, *, retry: bool = False, sink: Sink | None = None
+    ) -> BuildReport:
+        """Build and emit the delta committed -> `version` from the current weights.
+
+        `retry`: every record is an overwrite (repairs partial writes of a failed attempt).
+        Payloads go to `sink` (or the config's sink, or ``self.payloads``) through a bounded
+        queue while construction continues. Collective: every rank calls.
+        """
+        if version <= self.committed_version:
+            raise ValueError(f"version {version} <= committed {self.committed_version}")
+        t0 = time.perf_counter()
+        rep = BuildReport(version=version, attempt=attempt, retry=retry)
+        out = sink or self.config.sink or self.payloads.append
+        writer = _SinkThread(out, self.config.queue_depth)
+        meta = PayloadMeta(
+            version=version,
+            base_version=self.committed_version,
+            attempt=attempt,
+            owner=self.rank,
+            sequence=0,
+        )
+        enc = BucketEncoder(
+            meta,
+            BucketConfig(
+                bucket_bytes=self.config.bucket_bytes,
+                key=self.config.key,
+                paper=self.config.paper_codec,
+                threads=self.config.encode_threads,
+            ),
+        )
+        xor_ok = self.config.mode == "X" and not retry
+        try:
+            td = time.perf_counter()
+            for t in self.tracked:
+                cur = t.param.detach()
+                rep.owned_elements += cur.numel()
+                cur_bits = tensor_bits(cur.to("cpu"))
+                base_bits = tensor_bits(self.trackers[t.index])
+                local = np.flatnonzero(cur_bits != base_bits)
+                if not local.size:
+                    continue
+                rep.changed_elements += int(local.size)
+                for item in self._project(t, local, cur_bits, base_bits, xor_ok):
+                    self._emit(enc, writer, item, rep)
+            rep.detect_seconds = time.perf_counter() - td
+            self._residual(enc, writer, rep)
+            for payload in enc.finish():
+                writer.put(payload)
+        finally:
+            writer.close()
+        rep.payloads, rep.payload_bytes = enc.payload_count, enc.stored_bytes
+        counts = torch.tensor([rep.changed_elements, rep.owned_elements], dtype=torch.float64)
+        dist.all_reduce(counts)
+        rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
+        rep.seconds = time.perf_counter() - t0
+        self._candidate = version
+        self.last_report = rep
+        return rep
+
+    def _emit(
+        self, enc: BucketEncoder, writer: _SinkThread, item: DeltaItem, rep: BuildReport
+    ) -> None:
+        rep.items += 1
+        rep.entries += item.count
+        if item.kind == Kind.XOR:
+            rep.xor_entries += item.count
+        for payload in enc.add(item):
+            writer.put(payload)
+
+    def _project(
+        self, t: Task, local: np.ndarray, cur: np.ndarray, base: np.ndarray, xor_ok: bool
+    ) -> list[DeltaItem]:
+        """Changed local indices of an affine task -> one item per canonical tensor."""
+        assert t.amap is not None
+        name_idx, hf = t.amap.project(local)
+        new = cur[local]
+        vals_xor = new ^ base[local]
+        items = []
+        for j in np.unique(name_idx):
+            sel = name_idx == j
+            name = t.amap.names[int(j)]
+            order = np.argsort(hf[sel], kind="stable")
+            kind = Kind.XOR if xor_ok and name not in self.config.overwrite_only else Kind.OVERWRITE
+            vals = (vals_xor if kind == Kind.XOR else new)[sel][order]
+            items.append(
+                make_item(
+                    name,
+                    dtype_of(t.param.dtype).name,
+                    t.hf_shapes[name],
+                    self.rank,
+                    kind,
+                    hf[sel][order],
+                    vals,
+                )
+            )
+        return items
+
+    def _residual(self, enc: BucketEncoder, writer: _SinkThread, rep: BuildReport) -> None:
+        """Residual conversion: flag changed tasks (all-reduced), convert them with the bridge,
+        compare with the residual baseline owned by a canonical-name hash, emit overwrites."""
+        if not self.residual_tasks:
+            return
+        full = self.config.mode == "F"
+        flags = torch.zeros(len(self.residual_tasks), dtype=torch.int32)
+        for i, t in enumerate(self.residual_tasks):
+            if t.index in self.owned_idx:
+                rep.owned_elements += t.param.numel()
+                if full or self._shard_changed(t):
+                    flags[i] = 1
+        if full:
+            flags.fill_(1)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        selected = [t for i, t in enumerate(self.residual_tasks) if flags[i]]
+        converted = self._convert(selected)
+        rep.residual_tasks_converted = len(selected)
+        for name, new in converted.items():
+            old = self.residual_baseline[name]
+            nb, ob = tensor_bits(new), tensor_bits(old)
+            idx = np.flatnonzero(nb != ob)
+            self._pending_residual[name] = new
+            if full:
+                rep.changed_elements += int(idx.size)
+            if idx.size:
+                item = make_item(
+                    name,
+                    dtype_of(new.dtype).name,
+                    tuple(new.shape),
+                    self.rank,
+                    Kind.OVERWRITE,
+                    idx,
+                    nb[idx],
+                )
+                self._emit(enc, writer, item, rep)
+
+    def _shard_changed(self, t: Task) -> bool:
+        """Whether an owned residual task's shard changed its stored bits since the commit."""
+        cur = t.param.detach().to("cpu")
+        return not torch.equal(cur.view(torch.uint8), self.trackers[t.index].view(torch.uint8))
+
+    def commit(self) -> None:
+        """The candidate version was committed: advance trackers and residual baseline in place."""
+        if self._candidate is None:
+            raise ValueError("commit without a built candidate")
+        with torch.no_grad():
+            for idx, base in self.trackers.items():
+                base.copy_(self.tasks[idx].param.detach().to("cpu"))
+            for name, new in self._pending_residual.items():
+                self.residual_baseline[name].copy_(new)
+        self._pending_residual.clear()
+        self.committed_version = self._candidate
+        self._candidate = None
+
+    def abort(self) -> None:
+        """The attempt failed: keep the committed baseline (a retry rebuilds from it)."""
+        self._pending_residual.clear()
+
+    def after_step(self) -> BuildReport | None:
+        """Called after each optimizer step: builds the next version's delta (attempt 0)."""
+        return self.build(self.committed_version + 1, 0)
+
+
+def enable_dcr(model_chunks: list[Any], optimizer: Any, config: DCRConfig) -> DCRHook:
+    """Create the owner-side hook for this trainer rank; with ``config.wrap_step`` the
+    optimizer's ``step`` runs ``hook.after_step()`` after every successful step."""
+    hook = DCRHook(model_chunks, config)
+    if config.wrap_step:
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            ok = result[0] if isinstance(result, tuple) else True
+            if ok:
+                hook.after_step()
+            return result
+
+        optimizer.step = step
+    return hook

@@ -1,0 +1,192 @@
+"""Conversion tasks and their affine maps, derived from megatron-bridge's mapping classes.
+
+A conversion task is one Megatron parameter of this rank plus the bridge mapping that converts
+it (``conversion.conversion_tasks``). A task is *affine* when its conversion only places source
+elements (each canonical element is one source element, bits unchanged): Replicated, Column- and
+RowParallel, AutoMapping resolved to those, GatedMLP halves, QKV, expert shards with their
+EP-global index. Everything else is *residual* (converted with the bridge when it changes).
+
+The affine maps are not written per mapping class: they are measured from the bridge itself.
+`probe_affine` runs every task's ``megatron_to_hf`` (the same collectives as an export) on a
+tensor of unique integer ids (``(rank + 1) << 40 | local flat index``) and reads back where each
+of this rank's ids landed in the canonical tensors. A second probe with doubled ids must give
+doubled outputs, so arithmetic conversions (scales, offsets) are classified residual. The map of
+each task is stored as runs (local start, canonical tensor, canonical start, length): one run per
+contiguous row segment, so its memory is negligible next to the shard.
+
+Limitations:
+1. Probing allocates int64 copies of each canonical tensor transiently (one task at a time).
+2. A conversion that changes dtype is residual (XOR masks would not carry over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dcr_hooks.conversion import ParamTask, conversion_tasks
+
+ID_SHIFT = 40
+
+
+@dataclass
+class AffineMap:
+    """local flat index -> (canonical tensor, flat index), as sorted runs."""
+
+    names: list[str]
+    local_start: np.ndarray  # int64, sorted
+    name_idx: np.ndarray  # int32 into `names`
+    hf_start: np.ndarray  # int64
+    length: np.ndarray  # int64
+
+    def project(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(name index, canonical flat index) of sorted local flat indices (all mapped)."""
+        run = np.searchsorted(self.local_start, local, side="right") - 1
+        if local.size and (
+            (run < 0).any() or (local - self.local_start[run] >= self.length[run]).any()
+        ):
+            raise AssertionError("local index outside the affine map")
+        return self.name_idx[run], self.hf_start[run] + (local - self.local_start[run])
+
+    @property
+    def covered(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass
+class Task:
+    """One conversion task with its classification and (if affine) its map on this rank."""
+
+    index: int
+    param_task: ParamTask
+    kind: str  # "affine" or "residual"
+    amap: AffineMap | None = None
+    hf_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    hf_dtype: torch.dtype | None = None
+    replicated: bool = False
+    expert: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.param_task.global_name
+
+    @property
+    def param(self) -> torch.nn.Parameter:
+        return self.param_task.param
+
+
+def stable_hash(name: str) -> int:
+    """A process-independent hash of a name (ownership must agree on every rank)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _runs(local: np.ndarray, name_of: np.ndarray, hf: np.ndarray, names: list[str]) -> AffineMap:
+    order = np.argsort(local, kind="stable")
+    local, name_of, hf = local[order], name_of[order], hf[order]
+    if local.size == 0:
+        z = np.empty(0, dtype=np.int64)
+        return AffineMap(names, z, np.empty(0, dtype=np.int32), z, z)
+    brk = np.flatnonzero((np.diff(local) != 1) | (np.diff(hf) != 1) | (np.diff(name_of) != 0))
+    starts = np.concatenate(([0], brk + 1))
+    ends = np.concatenate((brk + 1, [local.size]))
+    return AffineMap(
+        names=names,
+        local_start=local[starts].astype(np.int64),
+        name_idx=name_of[starts].astype(np.int32),
+        hf_start=hf[starts].astype(np.int64),
+        length=(ends - starts).astype(np.int64),
+    )
+
+
+def _probe(pt: ParamTask, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return pt.mapping.megatron_to_hf(ids, pt.module)
+
+
+def build_tasks(model: Any, model_type: str, *, force_residual: tuple[str, ...] = ()) -> list[Task]:
+    """Classify every parameter of this rank and derive affine maps (collective: every rank
+    calls with the same model structure). `force_residual`: mapping class names to treat as
+    residual even when affine (e.g. ``("QKVMapping",)`` reproduces the paper's 96% setting)."""
+    rank = dist.get_rank()
+    tag = (rank + 1) << ID_SHIFT
+    tasks: list[Task] = []
+    for i, pt in enumerate(conversion_tasks(model, model_type)):
+        p = pt.param
+        n = p.numel()
+        ids = (torch.arange(n, dtype=torch.int64) + tag).reshape(p.shape)
+        with torch.no_grad():
+            out = _probe(pt, ids)
+            out2 = _probe(pt, ids * 2)
+            real = _probe(pt, p.detach())
+        names = sorted(out)
+        hf_shapes = {k: tuple(out[k].shape) for k in names}
+        dtypes = {v.dtype for v in real.values()}
+        affine = (
+            type(pt.mapping).__name__ not in force_residual
+            and set(out2) == set(out)
+            and all(torch.equal(out2[k], out[k] * 2) for k in names)
+            and dtypes == {p.dtype}
+        )
+        local_l, name_l, hf_l = [], [], []
+        if affine:
+            for j, k in enumerate(names):
+                flat = out[k].reshape(-1)
+                rank_of = flat >> ID_SHIFT
+                if bool(((rank_of < 1) | (rank_of > dist.get_world_size())).any()):
+                    affine = False  # not a pure placement of source ids
+                    break
+                mine = torch.nonzero(rank_of == rank + 1).reshape(-1)
+                local_l.append((flat[mine] - tag).numpy())
+                hf_l.append(mine.numpy().astype(np.int64))
+                name_l.append(np.full(mine.numel(), j, dtype=np.int32))
+        amap = None
+        if affine:
+            amap = _runs(
+                np.concatenate(local_l) if local_l else np.empty(0, np.int64),
+                np.concatenate(name_l) if name_l else np.empty(0, np.int32),
+                np.concatenate(hf_l) if hf_l else np.empty(0, np.int64),
+                names,
+            )
+            if (
+                amap.covered != n
+                or np.unique(np.concatenate(local_l) if local_l else np.empty(0)).size != n
+            ):
+                affine, amap = False, None  # not every local element lands exactly once
+        tasks.append(
+            Task(
+                index=i,
+                param_task=pt,
+                kind="affine" if affine else "residual",
+                amap=amap,
+                hf_shapes=hf_shapes,
+                hf_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
+                replicated=not bool(getattr(p, "tensor_model_parallel", False)),
+                expert=not bool(getattr(p, "allreduce", True)),
+            )
+        )
+    return tasks
+
+
+def affine_share(tasks: list[Task]) -> dict[str, float]:
+    """Canonical weight bytes covered by affine tasks vs all (global, all-reduced)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    seen: set[str] = set()
+    for t in tasks:
+        for name, shape in t.hf_shapes.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            nbytes = float(np.prod(shape)) * t.param.element_size()
+            total[1] += nbytes
+            if t.kind == "affine":
+                total[0] += nbytes
+    # every rank sees every canonical tensor (exports are all-gathers), so no reduction needed
+    return {
+        "affine_bytes": float(total[0]),
+        "canonical_bytes": float(total[1]),
+        "affine_share": float(total[0] / total[1]) if total[1] else 1.0,
+    }

@@ -1,0 +1,194 @@
+"""Megatron rank program for tests/megatron/test_owner.py (torchrun, gloo).
+
+Loads the tiny fixture into a Megatron GPTModel, attaches DCR hooks in modes X, P and F, runs
+real optimizer steps, builds the deltas, and writes every rank's payloads to a directory. Rank 0
+then checks them against the bridge's full HF export: applied to the v0 export they give the v1
+export bit for bit (every tensor), for every mode; no destination is emitted twice; a step-less
+build emits nothing; a partial attempt followed by an overwrite retry gives v2 exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dcr_hooks import cpu_compat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--force-residual", default="")
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--report", required=True)
+    args = ap.parse_args()
+
+    cpu_compat.enable()
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_dcr_hooks.conversion import export_hf_weights, hf_getter, load_hf_weights
+    from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
+    from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
+    from shared_codec.checkpoint import bits_equal, load_checkpoint
+    from shared_codec.format import decode_payload
+    from shared_codec.records import Kind, apply_items
+
+    layout = ParallelLayout(tp=args.tp, ep=args.ep)
+    layout.initialize()
+    model_parallel_cuda_manual_seed(1234)
+    rank = dist.get_rank()
+    cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
+    mtype = cfg["model_type"]
+    model = build_gpt_model(cfg, layout)
+    load_hf_weights(model, mtype, hf_getter(load_checkpoint(args.ckpt)))
+    ddp = DDP(
+        model.config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
+        ),
+        model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=3e-4,
+            bf16=True,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            use_distributed_optimizer=args.distributed_optimizer,
+        ),
+        [ddp],
+    )
+    force = tuple(x for x in args.force_residual.split(",") if x)
+    common = {
+        "model_type": mtype,
+        "bucket_bytes": 4096,
+        "wrap_step": False,
+        "force_residual": force,
+    }
+    hooks = {m: DCRHook([model], DCRConfig(mode=m, **common)) for m in ("P", "F")}
+    # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
+    hooks["X"] = enable_dcr([model], opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
+    v0 = export_hf_weights(model, mtype)
+    seq, dp_rank = 16, ps.get_data_parallel_rank()
+    pos = torch.arange(seq).unsqueeze(0).expand(2, seq)
+
+    def train_step(step: int) -> None:
+        g = torch.Generator().manual_seed(100 + step * 10 + dp_rank)
+        batch = torch.randint(0, cfg["vocab_size"], (2, seq + 1), generator=g)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = ddp(batch[:, :-1], pos, attention_mask=None, labels=batch[:, 1:]).float().mean()
+        loss.backward()
+        finalize_model_grads([ddp])
+        ok, _, _ = opt.step()  # wrapped: hook X builds its delta after the step
+        assert ok
+
+    train_step(0)
+    v1 = export_hf_weights(model, mtype)
+    reports = {"X": hooks["X"].last_report}
+    assert reports["X"] is not None and reports["X"].version == 1
+    for m in ("P", "F"):
+        reports[m] = hooks[m].build(1, 0)
+    out = Path(args.dir)
+
+    def dump(tag: str, payloads: list[bytes]) -> None:
+        d = out / tag
+        d.mkdir(parents=True, exist_ok=True)
+        for i, p in enumerate(payloads):
+            (d / f"rank{rank}_{i:04d}.bin").write_bytes(p)
+
+    for m, h in hooks.items():
+        dump(f"v1_{m}", h.payloads)
+        h.payloads.clear()
+        h.commit()
+    # a build without a step emits nothing
+    quiet = {m: h.build(2, 0) for m, h in hooks.items() if m != "X"}
+    quiet_items = torch.tensor([sum(r.items for r in quiet.values())])
+    dist.all_reduce(quiet_items)
+    for h in hooks.values():
+        h.payloads.clear()
+        h.abort()
+    # v1 -> v2: an attempt whose payloads are half applied, then an overwrite retry
+    hx = hooks["X"]
+    train_step(1)  # hook X built attempt 0 of version 2
+    v2 = export_hf_weights(model, mtype)
+    dump("v2_attempt0", hx.payloads)
+    hx.payloads.clear()
+    hx.abort()
+    retry = hx.build(2, 1, retry=True)
+    dump("v2_retry", hx.payloads)
+    info = {m: {**h.report(), "build": vars(reports[m])} for m, h in hooks.items()}
+    infos = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, info)  # test harness only: small plain dicts
+    dist.barrier()
+    if rank == 0:
+
+        def load(tag: str):
+            items = []
+            for f in sorted((out / tag).glob("*.bin")):
+                items += decode_payload(f.read_bytes()).items
+            return items
+
+        result: dict = {
+            "ranks": infos,
+            "quiet_items": int(quiet_items[0]),
+            "retry_overwrite_only": None,
+        }
+        for m in ("X", "P", "F"):
+            items = load(f"v1_{m}")
+            dests: set = set()
+            dup = 0
+            for it in items:
+                keys = {(it.name, int(i)) for i in it.indices}
+                dup += len(keys & dests)
+                dests |= keys
+            state = {k: v.clone() for k, v in v0.items()}
+            apply_items(state, items)
+            bad = [n for n in v1 if not bits_equal(state[n], v1[n])]
+            changed = sum(
+                int((v0[n].view(torch.int16) != v1[n].view(torch.int16)).sum())
+                if v0[n].element_size() == 2
+                else 0
+                for n in v0
+            )
+            result[m] = {
+                "items": len(items),
+                "entries": sum(i.count for i in items),
+                "xor_entries": sum(i.count for i in items if i.kind == Kind.XOR),
+                "duplicate_destinations": dup,
+                "mismatched_tensors": bad,
+                "canonical_changed_elements": changed,
+                "tensors": len(v1),
+            }
+        a0, rt = load("v2_attempt0"), load("v2_retry")
+        state = {k: v.clone() for k, v in v1.items()}
+        apply_items(state, a0[: len(a0) // 2])  # a partial attempt
+        apply_items(state, rt)
+        result["retry_overwrite_only"] = all(i.kind == Kind.OVERWRITE for i in rt)
+        result["retry_mismatched"] = [n for n in v2 if not bits_equal(state[n], v2[n])]
+        result["retry_entries"] = retry.entries
+        result["v2_differs_from_v1"] = any(not bits_equal(v1[n], v2[n]) for n in v1)
+        Path(args.report).write_text(json.dumps(result, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    np.seterr(all="ignore")
+    main()
