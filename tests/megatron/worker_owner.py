@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--force-residual", default="")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--report", required=True)
+    ap.add_argument("--save-exports", default="", help="rank 0 writes the v0/v1 exports here")
     args = ap.parse_args()
 
     cpu_compat.enable()
@@ -43,7 +44,7 @@ def main() -> None:
     from megatron_dcr_hooks.conversion import export_hf_weights, hf_getter, load_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
     from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
-    from shared_codec.checkpoint import bits_equal, load_checkpoint
+    from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
     from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
@@ -136,6 +137,9 @@ def main() -> None:
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, info)  # test harness only: small plain dicts
     dist.barrier()
+    if rank == 0 and args.save_exports:
+        save_checkpoint(v0, Path(args.save_exports) / "v0", like=args.ckpt)
+        save_checkpoint(v1, Path(args.save_exports) / "v1", like=args.ckpt)
     if rank == 0:
 
         def load(tag: str):
