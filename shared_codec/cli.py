@@ -5,6 +5,8 @@ Subcommands (each has ``--help``):
 - ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
   qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
+- ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
+  payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
   vLLM; imported only by this subcommand).
 
@@ -68,6 +70,34 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
     return bench_apply.main(args.json, args.size)
 
 
+def cmd_bench_construct(args: argparse.Namespace) -> int:
+    # a 2-rank gloo job: megatron runs in its own processes, never in this one
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "-m",
+        "megatron_dcr_hooks.bench_construct",
+        "--size",
+        args.size,
+    ]
+    if args.json:
+        cmd += ["--json", args.json]
+    return subprocess.call(cmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared_codec.tiny_models import KINDS
 
@@ -111,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~165M parameters (default); small: a quick run",
     )
     p.set_defaults(func=cmd_bench_apply)
+    p = bsub.add_parser("construct", help="owner-side delta construction, modes X/P/F")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--size",
+        choices=("medium", "small"),
+        default="medium",
+        help="medium: ~316M parameters (default); small: a quick run",
+    )
+    p.set_defaults(func=cmd_bench_construct)
 
     def bench_help(_args: argparse.Namespace) -> int:
         bench.print_help()

@@ -68,3 +68,18 @@ def test_bench_codec_small_run_writes_json(tmp_path: Path) -> None:
     for row in res["payload"]:
         assert 0 < row["dcr_payload_bytes"] < row["paper_payload_bytes"] < row["checkpoint_bytes"]
     assert res["throughput"]["encode_mb_s"] > 0 and res["throughput"]["decode_mb_s"] > 0
+
+
+def test_bench_construct_small_run_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "construct.json"
+    r = _dcr("bench", "construct", "--size", "small", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    modes = {(row["rate"], row["mode"]) for row in res["rows"]}
+    assert modes == {(rate, m) for rate in ("3%", "5%") for m in ("X", "P", "F")}
+    by = {(row["rate"], row["mode"]): row for row in res["rows"]}
+    for rate in ("3%", "5%"):
+        # XOR masks compress better than overwrites of the same changed set
+        assert by[(rate, "X")]["payload_bytes"] < by[(rate, "P")]["payload_bytes"]
+        assert 0 < by[(rate, "X")]["scan_efficiency"]
+    assert res["affine_share"] == 1.0

@@ -17,19 +17,49 @@ from tests._procs import PYTHON, REPO, base_env, free_port, run_program
 def test_training_step_refit_is_bit_exact_on_vllm(tiny_models, tmp_path: Path) -> None:
     exports = tmp_path / "exports"
     run_program(
-        [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-         "127.0.0.1", "--master_port", str(free_port()),
-         str(REPO / "tests/megatron/worker_owner.py"), "--ckpt", str(tiny_models["qwen3"]),
-         "--tp", "2", "--dir", str(tmp_path / "p"), "--report", str(tmp_path / "owner.json"),
-         "--save-exports", str(exports)],
-        timeout=420, env=base_env(OMP_NUM_THREADS="1"), log=tmp_path / "ranks.log",
+        [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(REPO / "tests/megatron/worker_owner.py"),
+            "--ckpt",
+            str(tiny_models["qwen3"]),
+            "--tp",
+            "2",
+            "--dir",
+            str(tmp_path / "p"),
+            "--report",
+            str(tmp_path / "owner.json"),
+            "--save-exports",
+            str(exports),
+        ],
+        timeout=420,
+        env=base_env(OMP_NUM_THREADS="1"),
+        log=tmp_path / "ranks.log",
     )
     out = tmp_path / "engine.json"
     run_program(
-        [PYTHON, str(REPO / "tests/vllm/stage_files_program.py"), "--v0", str(exports / "v0"),
-         "--v1", str(exports / "v1"), "--payloads", str(tmp_path / "p" / "v1_X"), "--out",
-         str(out)],
-        timeout=480, env=base_env(), log=tmp_path / "engine.log",
+        [
+            PYTHON,
+            str(REPO / "tests/vllm/stage_files_program.py"),
+            "--v0",
+            str(exports / "v0"),
+            "--v1",
+            str(exports / "v1"),
+            "--payloads",
+            str(tmp_path / "p" / "v1_X"),
+            "--out",
+            str(out),
+        ],
+        timeout=480,
+        env=base_env(),
+        log=tmp_path / "engine.log",
     )
     r = json.loads(out.read_text())
     assert r["prewarm"][0]["overwrite_only"] == {} and r["prewarm"][0]["unsupported"] == {}

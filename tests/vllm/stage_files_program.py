@@ -27,17 +27,26 @@ def main() -> None:
 
     from shared_codec.checkpoint import load_checkpoint
 
-    llm = LLM(model=args.v0, dtype="bfloat16", enforce_eager=True, max_model_len=256,
-              max_num_seqs=4, seed=0, gpu_memory_utilization=0.1,
-              worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension")
+    llm = LLM(
+        model=args.v0,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        gpu_memory_utilization=0.1,
+        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
+    )
     sp = SamplingParams(max_tokens=8, temperature=0.0)
 
     def tokens() -> list:
         llm.reset_prefix_cache()
         return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
 
-    table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)]
-             for n, t in load_checkpoint(args.v0).items()]
+    table = [
+        [n, str(t.dtype).removeprefix("torch."), list(t.shape)]
+        for n, t in load_checkpoint(args.v0).items()
+    ]
     payloads = [f.read_bytes() for f in sorted(Path(args.payloads).glob("*.bin"))]
     r: dict = {"n_payloads": len(payloads)}
     r["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, 0))
