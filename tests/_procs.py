@@ -110,3 +110,16 @@ def _tail(log: Path | None, n: int = 6000) -> str:
 
 
 PYTHON = sys.executable
+
+
+def run_torchrun(
+    script: Path, args: list[str], *, tmp: Path, timeout: float = 420, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    """Run `script` as an `nproc`-rank gloo job (torch.distributed.run) on loopback."""
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+    ]  # fmt: skip
+    return run_program(
+        cmd, timeout=timeout, env=base_env(OMP_NUM_THREADS="1"), log=tmp / "ranks.log"
+    )

@@ -9,40 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, REPO, base_env, free_port, run_program
+from tests._procs import PYTHON, REPO, base_env, run_program, run_torchrun
 
 
 @pytest.mark.megatron
 @pytest.mark.vllm
 def test_training_step_refit_is_bit_exact_on_vllm(tiny_models, tmp_path: Path) -> None:
     exports = tmp_path / "exports"
-    run_program(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(REPO / "tests/megatron/worker_owner.py"),
-            "--ckpt",
-            str(tiny_models["qwen3"]),
-            "--tp",
-            "2",
-            "--dir",
-            str(tmp_path / "p"),
-            "--report",
-            str(tmp_path / "owner.json"),
-            "--save-exports",
-            str(exports),
-        ],
-        timeout=420,
-        env=base_env(OMP_NUM_THREADS="1"),
-        log=tmp_path / "ranks.log",
-    )
+    run_torchrun(
+        REPO / "tests/megatron/worker_owner.py",
+        ["--ckpt", str(tiny_models["qwen3"]), "--tp", "2", "--dir", str(tmp_path / "p"),
+         "--report", str(tmp_path / "owner.json"), "--save-exports", str(exports)],
+        tmp=tmp_path,
+    )  # fmt: skip
     out = tmp_path / "engine.json"
     run_program(
         [

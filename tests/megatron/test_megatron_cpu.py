@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, base_env, free_port, run_program
+from tests._procs import run_torchrun
 
 WORKER = Path(__file__).with_name("worker_roundtrip.py")
 
@@ -28,30 +28,12 @@ CASES = [
 def test_two_rank_roundtrip_and_training(case, tiny_models, tmp_path: Path) -> None:
     _, kind, tp, ep, extra, (want_tp, want_dp, want_ep) = case
     report = tmp_path / "report.json"
-    args = [
-        PYTHON,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(WORKER),
-        "--ckpt",
-        str(tiny_models[kind]),
-        "--tp",
-        str(tp),
-        "--ep",
-        str(ep),
-        "--steps",
-        "3",
-        "--report",
-        str(report),
-        *extra,
-    ]
-    run_program(args, timeout=420, env=base_env(OMP_NUM_THREADS="1"), log=tmp_path / "ranks.log")
+    run_torchrun(
+        WORKER,
+        ["--ckpt", str(tiny_models[kind]), "--tp", str(tp), "--ep", str(ep), "--steps", "3",
+         "--report", str(report), *extra],
+        tmp=tmp_path,
+    )  # fmt: skip
     r = json.loads(report.read_text())
     assert (r["tp"], r["dp"], r["ep"]) == (want_tp, want_dp, want_ep)
     assert r["shards_checked"] > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, base_env, free_port, run_program
+from tests._procs import run_torchrun
 
 WORKER = Path(__file__).with_name("worker_owner.py")
 CASES = [
@@ -27,34 +27,12 @@ CASES = [
 def test_owner_records_reproduce_the_bridge_export(case, tiny_models, tmp_path: Path) -> None:
     _, kind, tp, ep, extra = case
     report = tmp_path / "report.json"
-    run_program(
-        [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(WORKER),
-            "--ckpt",
-            str(tiny_models[kind]),
-            "--tp",
-            str(tp),
-            "--ep",
-            str(ep),
-            "--dir",
-            str(tmp_path / "p"),
-            "--report",
-            str(report),
-            *extra,
-        ],
-        timeout=420,
-        env=base_env(OMP_NUM_THREADS="1"),
-        log=tmp_path / "ranks.log",
-    )
+    run_torchrun(
+        WORKER,
+        ["--ckpt", str(tiny_models[kind]), "--tp", str(tp), "--ep", str(ep),
+         "--dir", str(tmp_path / "p"), "--report", str(report), *extra],
+        tmp=tmp_path,
+    )  # fmt: skip
     r = json.loads(report.read_text())
     changed = r["X"]["canonical_changed_elements"]
     assert changed > 0

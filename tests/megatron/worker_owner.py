@@ -14,11 +14,10 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks import cpu_compat
+from tests.megatron._trainer import Trainer, start
 
 
 def main() -> None:
@@ -33,47 +32,17 @@ def main() -> None:
     ap.add_argument("--save-exports", default="", help="rank 0 writes the v0/v1 exports here")
     args = ap.parse_args()
 
-    cpu_compat.enable()
-    dist.init_process_group("gloo")
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_dcr_hooks.conversion import export_hf_weights, hf_getter, load_hf_weights
+    cfg, model, _ = start(args.ckpt, args.tp, args.ep)
+    from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
-    from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
-    from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
+    from shared_codec.checkpoint import bits_equal, save_checkpoint
     from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
-    layout = ParallelLayout(tp=args.tp, ep=args.ep)
-    layout.initialize()
-    model_parallel_cuda_manual_seed(1234)
     rank = dist.get_rank()
-    cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     mtype = cfg["model_type"]
-    model = build_gpt_model(cfg, layout)
-    load_hf_weights(model, mtype, hf_getter(load_checkpoint(args.ckpt)))
-    ddp = DDP(
-        model.config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
-        ),
-        model,
-    )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=3e-4,
-            bf16=True,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            use_distributed_optimizer=args.distributed_optimizer,
-        ),
-        [ddp],
-    )
+    trainer = Trainer(model, cfg, distributed_optimizer=args.distributed_optimizer, lr=3e-4)
+    opt = trainer.opt
     force = tuple(x for x in args.force_residual.split(",") if x)
     common = {
         "model_type": mtype,
@@ -85,19 +54,9 @@ def main() -> None:
     # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
     hooks["X"] = enable_dcr([model], opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
     v0 = export_hf_weights(model, mtype)
-    seq, dp_rank = 16, ps.get_data_parallel_rank()
-    pos = torch.arange(seq).unsqueeze(0).expand(2, seq)
 
     def train_step(step: int) -> None:
-        g = torch.Generator().manual_seed(100 + step * 10 + dp_rank)
-        batch = torch.randint(0, cfg["vocab_size"], (2, seq + 1), generator=g)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        loss = ddp(batch[:, :-1], pos, attention_mask=None, labels=batch[:, 1:]).float().mean()
-        loss.backward()
-        finalize_model_grads([ddp])
-        ok, _, _ = opt.step()  # wrapped: hook X builds its delta after the step
-        assert ok
+        trainer.step(step)  # opt.step is wrapped: hook X builds its delta after the step
 
     train_step(0)
     v1 = export_hf_weights(model, mtype)
@@ -194,5 +153,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    np.seterr(all="ignore")
     main()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks import cpu_compat
+from tests.megatron._trainer import Trainer, start
 
 
 def expected_shard(
@@ -89,24 +89,15 @@ def main() -> None:
     ap.add_argument("--report", required=True)
     args = ap.parse_args()
 
-    cpu_compat.enable()
-    dist.init_process_group("gloo")
+    cfg, model, hf = start(args.ckpt, args.tp, args.ep)
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_dcr_hooks.conversion import export_hf_weights, hf_getter, load_hf_weights
-    from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
-    from shared_codec.checkpoint import bits_equal, load_checkpoint
+    from megatron_dcr_hooks.conversion import conversion_tasks, export_hf_weights
+    from shared_codec.checkpoint import bits_equal
 
-    layout = ParallelLayout(tp=args.tp, ep=args.ep)
-    layout.initialize()
-    model_parallel_cuda_manual_seed(1234)
     rank = dist.get_rank()
-    cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     model_type = cfg["model_type"]
-    hf = load_checkpoint(args.ckpt)
-    model = build_gpt_model(cfg, layout)
-    tasks = load_hf_weights(model, model_type, hf_getter(hf))
+    tasks = conversion_tasks(model, model_type)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     report: dict = {
         "rank": rank,
@@ -165,44 +156,13 @@ def main() -> None:
         raise AssertionError(f"logits differ from transformers: max err {max_err} vs scale {scale}")
 
     # 4. real optimizer steps (Megatron DDP + Megatron optimizer)
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     model.train()
-    ddp = DDP(
-        model.config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
-        ),
-        model,
-    )
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-3,
-            bf16=True,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            use_distributed_optimizer=args.distributed_optimizer,
-        ),
-        [ddp],
-    )
-    dp_rank = ps.get_data_parallel_rank()
+    trainer = Trainer(model, cfg, distributed_optimizer=args.distributed_optimizer, lr=1e-3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses = []
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(100 + step * 10 + dp_rank)
-        batch = torch.randint(0, cfg["vocab_size"], (2, seq + 1), generator=g)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        loss = ddp(batch[:, :-1], pos, attention_mask=None, labels=batch[:, 1:]).float().mean()
-        loss.backward()
-        finalize_model_grads([ddp])
-        ok, grad_norm, _ = opt.step()
-        if not ok:
-            raise AssertionError(f"optimizer step {step} skipped")
-        losses.append(loss.item())
+        loss, grad_norm = trainer.step(step)
+        losses.append(loss)
     changed = sum(
         int((p.detach().view(torch.int16) != before[n].view(torch.int16)).sum())
         for n, p in model.named_parameters()
