@@ -1,0 +1,196 @@
+"""Object-storage transport: owners upload each payload once, a manifest is written last,
+rollout nodes fetch every payload the manifest lists.
+
+Key layout (under the store's prefix), per transition version and attempt:
+
+    v<version:012>/a<attempt:06>/o<owner:05>/s<sequence:06>-<payload id>.dcrp   payloads
+    v<version:012>/a<attempt:06>/owners/o<owner:05>.json                      owner lists
+    v<version:012>/a<attempt:06>/manifest.json                                  written last
+
+Call order: each owner ``pub = ObjectPublisher(store, version=, attempt=, owner=)``,
+``pub.send(payload)`` per payload (uploads run concurrently, bounded), ``pub.finish()`` (waits
+for the uploads, then writes its owner list). The coordinator then calls `write_manifest` with
+the owners it expects (create-only: a manifest is never replaced). Rollout nodes call
+``ObjectFetcher(store).fetch(version, attempt)``, which waits for the manifest, reads the owner
+lists and yields each listed payload after checking its size and payload id.
+
+Cleanup policy: objects of attempts of versions older than the committed version are garbage;
+`cleanup(store, committed_version, keep=1)` deletes every attempt of versions below
+``committed_version - keep + 1`` (the committed version's own attempts are kept for receivers
+that restart and re-fetch). Failed attempts of the current version are deleted by the same call
+once their version is old.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from shared_codec.errors import PayloadError
+from shared_codec.format import peek_header
+from shared_codec.transport.store import ObjectStore, TransportError
+
+
+def attempt_prefix(version: int, attempt: int) -> str:
+    return f"v{version:012d}/a{attempt:06d}/"
+
+
+class ObjectPublisher:
+    """Uploads one owner's payloads of one attempt, then its owner list."""
+
+    def __init__(
+        self, store: ObjectStore, *, version: int, attempt: int, owner: int, concurrency: int = 4
+    ) -> None:
+        self.store = store
+        self.version, self.attempt, self.owner = version, attempt, owner
+        self.prefix = attempt_prefix(version, attempt)
+        self.entries: list[dict] = []
+        self.bytes_uploaded = 0
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dcr-put")
+        self._futures: list[Future[None]] = []
+        self._limit = concurrency * 2
+
+    def send(self, payload: bytes) -> None:
+        """Upload one payload (asynchronously; bounded in-flight uploads give back-pressure)."""
+        h = peek_header(payload, verify=False)
+        m = h.meta
+        if (m.version, m.attempt, m.owner) != (self.version, self.attempt, self.owner):
+            raise ValueError(
+                f"payload {h.payload_id_hex} is for version {m.version} attempt {m.attempt} "
+                f"owner {m.owner}, publisher is {self.version}/{self.attempt}/{self.owner}"
+            )
+        key = f"{self.prefix}o{self.owner:05d}/s{m.sequence:06d}-{h.payload_id_hex}.dcrp"
+        self.entries.append(
+            {
+                "key": key,
+                "size": len(payload),
+                "payload_id": h.payload_id_hex,
+                "sequence": m.sequence,
+            }
+        )
+        self.bytes_uploaded += len(payload)
+        while len([f for f in self._futures if not f.done()]) >= self._limit:
+            time.sleep(0.001)
+        self._futures.append(self._pool.submit(self.store.put, key, payload))
+
+    def finish(self) -> dict:
+        """Wait for every upload, then write this owner's list. Returns the list."""
+        try:
+            for f in self._futures:
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True)
+        listing = {
+            "owner": self.owner,
+            "version": self.version,
+            "attempt": self.attempt,
+            "payloads": sorted(self.entries, key=lambda e: e["sequence"]),
+        }
+        self.store.put(
+            f"{self.prefix}owners/o{self.owner:05d}.json",
+            json.dumps(listing, sort_keys=True).encode(),
+        )
+        return listing
+
+
+def write_manifest(
+    store: ObjectStore, *, version: int, base_version: int, attempt: int, owners: list[int]
+) -> dict:
+    """Write the attempt's manifest (create-only) after checking every owner list exists."""
+    prefix = attempt_prefix(version, attempt)
+    counts = {}
+    for o in owners:
+        try:
+            listing = json.loads(store.get(f"{prefix}owners/o{o:05d}.json"))
+        except KeyError:
+            raise TransportError(
+                f"manifest for version {version} attempt {attempt}: owner {o} has not finished "
+                "publishing (no owner list)"
+            ) from None
+        counts[str(o)] = len(listing["payloads"])
+    manifest = {
+        "version": version,
+        "base_version": base_version,
+        "attempt": attempt,
+        "owners": sorted(owners),
+        "payload_counts": counts,
+    }
+    if not store.put_if_absent(
+        f"{prefix}manifest.json", json.dumps(manifest, sort_keys=True).encode()
+    ):
+        existing = json.loads(store.get(f"{prefix}manifest.json"))
+        if existing != manifest:
+            raise TransportError(
+                f"a different manifest exists for version {version} attempt {attempt}"
+            )
+    return manifest
+
+
+class ObjectFetcher:
+    """A rollout node's reader: every payload of an attempt, exactly once, verified."""
+
+    def __init__(self, store: ObjectStore, *, key: bytes | None = None) -> None:
+        self.store = store
+        self.key = key
+        self.bytes_fetched = 0
+
+    def manifest(self, version: int, attempt: int, timeout_s: float = 60.0) -> dict:
+        """Wait (polling with backoff) for the attempt's manifest."""
+        key = f"{attempt_prefix(version, attempt)}manifest.json"
+        deadline, delay = time.monotonic() + timeout_s, 0.02
+        while True:
+            try:
+                return json.loads(self.store.get(key))
+            except KeyError:
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"no manifest for version {version} attempt {attempt} after "
+                        f"{timeout_s:.0f}s ({key}): owners or the coordinator did not finish"
+                    ) from None
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+
+    def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:
+        """Yield every payload listed by the manifest, in (owner, sequence) order."""
+        m = self.manifest(version, attempt, timeout_s)
+        prefix = attempt_prefix(version, attempt)
+        for owner in m["owners"]:
+            listing = json.loads(self.store.get(f"{prefix}owners/o{owner:05d}.json"))
+            if len(listing["payloads"]) != m["payload_counts"][str(owner)]:
+                raise TransportError(f"owner {owner} list disagrees with the manifest")
+            for e in listing["payloads"]:
+                try:
+                    data = self.store.get(e["key"])
+                except KeyError:
+                    raise TransportError(
+                        f"payload {e['key']} listed in the manifest is missing"
+                    ) from None
+                if len(data) != e["size"]:
+                    raise TransportError(
+                        f"payload {e['key']}: {len(data)} bytes, listed {e['size']}"
+                    )
+                try:
+                    h = peek_header(data, key=self.key)
+                except PayloadError as err:
+                    raise TransportError(f"payload {e['key']}: {err}") from None
+                if h.payload_id_hex != e["payload_id"]:
+                    raise TransportError(f"payload {e['key']}: id does not match the listing")
+                self.bytes_fetched += len(data)
+                yield data
+
+
+def cleanup(store: ObjectStore, committed_version: int, keep: int = 1) -> int:
+    """Delete every object of versions older than the last `keep` committed ones."""
+    oldest_kept = committed_version - keep + 1
+    removed = 0
+    for key in store.list("v"):
+        try:
+            version = int(key[1:13])
+        except ValueError:
+            continue
+        if version < oldest_kept:
+            store.delete(key)
+            removed += 1
+    return removed
