@@ -172,12 +172,18 @@ def main() -> None:
     report["tokens2"] = tokens()
     llm.collective_rpc("dcr_commit", args=(2,))
 
-    # v2 -> v3: overwrite-only from a clean receiver
-    report["stage3"] = llm.collective_rpc("dcr_stage", args=(payloads(2, 3, 0, "overwrite"),))
-    report["ack3"] = llm.collective_rpc("dcr_apply", args=(0, True))
-    report["d3"] = digests()
-    report["tokens3"] = tokens()
-    report["commit3"] = llm.collective_rpc("dcr_commit", args=(3,))
+    # v2 -> v3: overwrite-only from a clean receiver, through the orchestrator helper (which
+    # checks every rank and resets the prefix cache after apply)
+    from vllm_dcr_plugin.client import DCRClient
+
+    client = DCRClient(llm)
+    report["stage3"] = client.stage(payloads(2, 3, 0, "overwrite"))
+    report["ack3"] = client.apply(0, verify=True)
+    report["d3"] = client.digests()
+    report["tokens3"] = [
+        list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)
+    ]
+    report["commit3"] = client.commit(3)
     Path(args.out).write_text(json.dumps(report, default=str))
     os._exit(0)
 
