@@ -46,21 +46,25 @@ def base_env(**extra: str) -> dict[str, str]:
 def kill_group(proc: subprocess.Popen) -> None:
     """Terminate a child's whole process group (SIGTERM, then SIGKILL), even when the leader
     already exited (its engine or rank children may still run)."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+
+    def group_alive() -> bool:
+        proc.poll()  # reap the leader, or it stays a zombie member of the group
+        try:
+            os.killpg(proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_alive():
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            continue
-        break
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and group_alive():
+            time.sleep(0.1)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

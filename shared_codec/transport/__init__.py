@@ -1,6 +1,6 @@
 """Transports: how payloads travel from owners to rollout nodes without a cross-cluster
-collective. This revision: object storage (`objects.py`) over a local directory or any
-S3-compatible endpoint (`store.py`). The ZeroMQ relay tree comes next.
+collective: object storage (`objects.py`) over a local directory or any S3-compatible endpoint
+(`store.py`), and a ZeroMQ relay tree (`relay.py`, imported on use: it needs pyzmq).
 """
 
 from shared_codec.transport.objects import ObjectFetcher, ObjectPublisher, write_manifest

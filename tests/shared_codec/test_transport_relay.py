@@ -1,0 +1,178 @@
+"""ZeroMQ relay tree with real sockets on loopback: 1 root + 3 nodes as separate processes in a
+balanced binary tree. Every payload arrives exactly once at every node with identical bytes;
+the manifest's completion acknowledgement covers the whole tree; a node killed mid-transfer
+fails the attempt naming it; with CURVE on, an unauthenticated peer is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared_codec.buckets import BucketConfig, encode_items
+from shared_codec.format import PayloadMeta, peek_header
+from shared_codec.records import Kind, make_item
+from shared_codec.transport.relay import CurveKeys, RelaySender, tree_children
+from shared_codec.transport.store import TransportError
+from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
+
+
+def _payloads(owner: int, n_items: int = 6) -> list[bytes]:
+    rng = np.random.default_rng(owner)
+    items = []
+    for t in range(n_items):
+        idx = np.sort(rng.choice(100_000, 10_000, replace=False)).astype(np.int64)
+        items.append(
+            make_item(
+                f"o{owner}.t{t}",
+                "bfloat16",
+                (100_000,),
+                owner,
+                Kind.XOR,
+                idx,
+                rng.integers(0, 1 << 16, idx.size).astype(np.uint16),
+            )
+        )
+    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=owner, sequence=0)
+    return encode_items(items, meta, BucketConfig(bucket_bytes=60_000, threads=0))
+
+
+class Tree:
+    """Starts relay node processes for a k-ary tree and stops them (process groups)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        n: int = 4,
+        k: int = 2,
+        curve: bool = False,
+        allowed_clients: tuple[bytes, ...] = (),
+    ) -> None:
+        self.addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+        self.keys = [CurveKeys.generate() for _ in range(n)] if curve else [None] * n
+        self.dirs = [tmp / f"node{i}" for i in range(n)]
+        self.procs: list[subprocess.Popen] = []
+        node_publics = tuple(k_.public for k_ in self.keys if k_ is not None)
+        for i in range(n):
+            cfg: dict = {
+                "name": f"node{i}",
+                "bind": self.addrs[i],
+                "deliver_dir": str(self.dirs[i]),
+                "child_timeout_s": 3.0,
+                "children": [
+                    [f"node{c}", self.addrs[c], self.keys[c].public.decode() if curve else None]
+                    for c in tree_children(i, n, k)
+                ],
+            }
+            if curve:
+                cfg.update(
+                    public=self.keys[i].public.decode(),
+                    secret=self.keys[i].secret.decode(),
+                    allowed=[x.decode() for x in (*allowed_clients, *node_publics)],
+                )
+            log = open(tmp / f"node{i}.log", "w")  # noqa: SIM115
+            self.procs.append(
+                subprocess.Popen(
+                    [PYTHON, "-m", "shared_codec.transport.relay", json.dumps(cfg)],
+                    cwd=REPO,
+                    env=base_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        time.sleep(1.5)  # bind + connect
+
+    def delivered(self, i: int) -> list[str]:
+        log = self.dirs[i] / "delivery.log"
+        return log.read_text().split() if log.exists() else []
+
+    def stop(self) -> None:
+        for p in self.procs:
+            kill_group(p)
+
+
+@pytest.mark.zmq
+def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    try:
+        owners = {o: _payloads(o) for o in (0, 1)}
+        senders = [RelaySender(tree.addrs[0], window=4) for _ in owners]
+        ids = []
+        for sender, payloads in zip(senders, owners.values(), strict=True):
+            for p in payloads:
+                sender.send(p)
+                ids.append(peek_header(p, verify=False).payload_id_hex)
+        senders[0].send(owners[0][0])  # a duplicate: suppressed, still acknowledged
+        for s in senders:
+            s.flush()
+        ack = senders[0].complete(0, ids, timeout_s=20)
+        assert ack["complete"] and ack["failed"] == []
+        everything = {
+            peek_header(p, verify=False).payload_id_hex: p for ps in owners.values() for p in ps
+        }
+        for i in range(4):
+            got = tree.delivered(i)
+            assert sorted(got) == sorted(ids)  # exactly once each
+            for pid in got:
+                assert (tree.dirs[i] / f"{pid}.bin").read_bytes() == everything[pid]
+        # V_cross: the payload bytes that crossed into the rollout cluster (sent to the root)
+        assert sum(s.bytes_sent for s in senders) == sum(len(p) for p in everything.values()) + len(
+            owners[0][0]
+        )
+        for s in senders:
+            s.close()
+    finally:
+        tree.stop()
+
+
+@pytest.mark.zmq
+def test_killed_node_fails_the_attempt_naming_it(tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    try:
+        payloads = _payloads(0, n_items=10)
+        ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
+        sender = RelaySender(tree.addrs[0], window=4)
+        for p in payloads[:3]:
+            sender.send(p)
+        sender.flush()
+        os.killpg(tree.procs[3].pid, signal.SIGKILL)  # node3: a leaf under node1
+        for p in payloads[3:]:
+            sender.send(p)
+        with pytest.raises(TransportError, match="node3"):
+            sender.complete(0, ids, timeout_s=8)
+        sender.close()
+    finally:
+        tree.stop()
+
+
+@pytest.mark.zmq
+def test_curve_refuses_unauthenticated_peers(tmp_path: Path) -> None:
+    owner = CurveKeys.generate()
+    tree = Tree(tmp_path, curve=True, allowed_clients=(owner.public,))
+    try:
+        payloads = _payloads(0, n_items=2)
+        ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
+        stranger = CurveKeys.generate()
+        bad = RelaySender(
+            tree.addrs[0], keys=stranger, root_public=tree.keys[0].public, ack_timeout_s=2
+        )
+        with pytest.raises(TransportError, match="did not acknowledge"):
+            bad.send(payloads[0])
+            bad.flush()
+        bad.close()
+        assert tree.delivered(0) == []
+        good = RelaySender(tree.addrs[0], keys=owner, root_public=tree.keys[0].public)
+        for p in payloads:
+            good.send(p)
+        assert good.complete(0, ids, timeout_s=15)["complete"]
+        assert all(sorted(tree.delivered(i)) == sorted(ids) for i in range(4))
+        good.close()
+    finally:
+        tree.stop()
