@@ -262,7 +262,7 @@ class Receiver:
         try:
             for sp in staged:
                 t0 = time.perf_counter()
-                payload = decode_payload(
+                payload = sp.decoded or decode_payload(
                     sp.data, key=self.staging.key, max_body=self.staging.max_body
                 )
                 ack["timings"]["decode_s"] += time.perf_counter() - t0

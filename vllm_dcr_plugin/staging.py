@@ -7,9 +7,9 @@ XOR items only target tensors whose loader path takes XOR, and that the body dec
 payload is not kept and changes nothing; a payload whose id was already staged or applied in the
 current transition is reported as a duplicate and dropped (XOR twice would restore old bits).
 
-Limitations:
-1. Validation decodes each payload once here and again at apply (the bytes stay compressed in
-   between, so staging memory is the compressed size).
+Decoded records are kept next to the compressed bytes while their total raw size stays within
+`keep_decoded_bytes` (default 256 MiB), so apply does not decode twice; beyond that budget only
+the compressed bytes are kept and apply decodes again (staging memory = compressed size).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared_codec.errors import PayloadError
-from shared_codec.format import DEFAULT_MAX_BODY, PayloadHeader, decode_payload
+from shared_codec.format import DEFAULT_MAX_BODY, Payload, PayloadHeader, decode_payload
 from shared_codec.records import Kind
 
 
@@ -33,6 +33,7 @@ class TensorSpec:
 class StagedPayload:
     header: PayloadHeader
     data: bytes
+    decoded: Payload | None = None
 
 
 @dataclass
@@ -41,9 +42,12 @@ class StagingArea:
 
     key: bytes | None = None
     max_body: int = DEFAULT_MAX_BODY
+    keep_decoded_bytes: int = 256 << 20
     staged: dict[int, dict[bytes, StagedPayload]] = field(default_factory=dict)
     applied_ids: set[bytes] = field(default_factory=set)
     fenced: set[int] = field(default_factory=set)
+
+    decoded_bytes: int = 0  # raw bytes of the decoded records currently kept
 
     @property
     def staged_bytes(self) -> int:
@@ -81,7 +85,10 @@ class StagingArea:
             if h.payload_id in per or h.payload_id in self.applied_ids:
                 out["duplicates"].append(pid)
                 continue
-            per[h.payload_id] = StagedPayload(h, data)
+            keep = self.decoded_bytes + h.body_raw_len <= self.keep_decoded_bytes
+            if keep:
+                self.decoded_bytes += h.body_raw_len
+            per[h.payload_id] = StagedPayload(h, data, payload if keep else None)
             out["staged"].append(pid)
         return out
 
@@ -124,17 +131,25 @@ class StagingArea:
         per = self.staged.get(attempt, {})
         return sorted(per.values(), key=lambda p: (p.header.meta.owner, p.header.meta.sequence))
 
+    def _drop(self, sp: StagedPayload | None) -> None:
+        if sp is not None and sp.decoded is not None:
+            self.decoded_bytes -= sp.header.body_raw_len
+
     def mark_applied(self, attempt: int, payload_id: bytes) -> None:
         self.applied_ids.add(payload_id)
-        self.staged.get(attempt, {}).pop(payload_id, None)
+        self._drop(self.staged.get(attempt, {}).pop(payload_id, None))
 
     def fence(self, attempt: int) -> int:
         """Abort `attempt`: drop its staged payloads and refuse its late ones. Returns dropped."""
         self.fenced.add(attempt)
-        return len(self.staged.pop(attempt, {}))
+        dropped = self.staged.pop(attempt, {})
+        for sp in dropped.values():
+            self._drop(sp)
+        return len(dropped)
 
     def new_transition(self) -> None:
         """Forget everything of the finished transition (after commit or dense load)."""
         self.staged.clear()
         self.applied_ids.clear()
         self.fenced.clear()
+        self.decoded_bytes = 0
