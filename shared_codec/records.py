@@ -3,7 +3,7 @@
 A `DeltaItem` is one owner's entries for one canonical tensor: the HF tensor name, dtype and
 shape, the owner id, the kind (XOR mask or OVERWRITE value), sorted unique flat row-major
 indices, and one value per index as raw stored bits. Items of one tensor may be split over
-several payloads by index range (`split_item`).
+several payloads by index range (buckets.py does so when an item exceeds a bucket).
 
 Reference helpers (`diff_tensors`, `apply_items`) compute and apply items on plain tensors: the
 oracle for tests and the canonical-checkpoint path; receivers apply through vLLM's loader.
@@ -11,7 +11,7 @@ oracle for tests and the canonical-checkpoint path; receivers apply through vLLM
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -167,36 +167,3 @@ def apply_items(tensors: MutableMapping[str, torch.Tensor], items: Iterable[Delt
         apply_item(tensors[item.name], item)
         n += item.count
     return n
-
-
-def split_item(item: DeltaItem, max_entries: int) -> Iterator[DeltaItem]:
-    """Split `item` by index range into items of at most `max_entries` entries each."""
-    if max_entries <= 0:
-        raise ValueError("max_entries must be positive")
-    if item.count <= max_entries:
-        yield item
-        return
-    for start in range(0, item.count, max_entries):
-        stop = start + max_entries
-        yield DeltaItem(
-            name=item.name,
-            dtype=item.dtype,
-            shape=item.shape,
-            owner=item.owner,
-            kind=item.kind,
-            indices=item.indices[start:stop],
-            values=item.values[start:stop],
-        )
-
-
-def as_overwrite(item: DeltaItem, new_bits: np.ndarray) -> DeltaItem:
-    """The OVERWRITE form of `item` given the full new stored bits of its tensor."""
-    return DeltaItem(
-        name=item.name,
-        dtype=item.dtype,
-        shape=item.shape,
-        owner=item.owner,
-        kind=Kind.OVERWRITE,
-        indices=item.indices,
-        values=np.ascontiguousarray(new_bits[item.indices]),
-    )
