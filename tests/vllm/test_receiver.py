@@ -135,3 +135,37 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
         f = json.loads(fresh.read_text())
         assert f["digests"] == r["d3"]
         assert f["tokens"] == r["tokens3"]
+
+
+@pytest.mark.vllm
+@pytest.mark.zmq
+def test_relay_tree_stages_into_a_real_engine(tmp_path: Path) -> None:
+    """Payloads streamed through a relay root are staged on the engine as they arrive; after
+    the tree's completion acknowledgement, apply is bit-exact with a dense load."""
+    from tests._procs import free_port
+
+    versions = _versions("qwen3", tmp_path / "m")
+    out = tmp_path / "relay.json"
+    run_program(
+        [
+            PYTHON,
+            str(REPO / "tests/vllm/relay_program.py"),
+            "--v0",
+            versions[0],
+            "--v1",
+            versions[1],
+            "--bind",
+            f"tcp://127.0.0.1:{free_port()}",
+            "--out",
+            str(out),
+        ],
+        timeout=480,
+        env=base_env(),
+        log=tmp_path / "engine.log",
+    )
+    r = json.loads(out.read_text())
+    assert r["tree_ack"]["complete"] and r["relay_duplicates"] == 1
+    assert r["staged_before_apply"][0]["staged_payloads"] == r["n_payloads"] > 1
+    ack = r["acks"][0]
+    assert ack["ok"] and ack["payloads"] == r["n_payloads"] and ack["post_apply_mismatches"] == 0
+    assert r["digest_delta"] == r["digest_dense"]
