@@ -22,21 +22,12 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="JSON dict of extra LLM(...) arguments")
     args = ap.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+
+    from tests.vllm._engine import start_llm
 
     t0 = time.monotonic()
-    llm = LLM(
-        model=args.model,
-        dtype="bfloat16",
-        enforce_eager=True,
-        tensor_parallel_size=args.tp,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        **json.loads(args.extra),
-    )
+    llm = start_llm(args.model, args.tp, **json.loads(args.extra))
     started = time.monotonic() - t0
     outs = llm.generate(
         json.loads(args.prompts), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -28,25 +28,15 @@ def main() -> None:
     args = ap.parse_args()
     versions = json.loads(args.versions)
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta
     from shared_codec.records import Kind, diff_tensors
+    from tests.vllm._engine import start_llm
 
-    llm = LLM(
-        model=versions[0],
-        dtype="bfloat16",
-        enforce_eager=True,
-        tensor_parallel_size=args.tp,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        **json.loads(args.extra),
-    )
+    llm = start_llm(versions[0], args.tp, **json.loads(args.extra))
     sp = SamplingParams(max_tokens=8, temperature=0.0)
     report: dict = {"tp": args.tp}
 

@@ -20,26 +20,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from vllm import LLM
-
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta, peek_header
     from shared_codec.records import Kind, diff_tensors
     from shared_codec.transport.relay import RelayNode, RelaySender
+    from tests.vllm._engine import start_llm
     from vllm_dcr_plugin.client import DCRClient
     from vllm_dcr_plugin.relay_stage import stage_deliver
 
-    llm = LLM(
-        model=args.v0,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-    )
+    llm = start_llm(args.v0)
     client = DCRClient(llm)
     v0, v1 = load_checkpoint(args.v0), load_checkpoint(args.v1)
     table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in v0.items()]

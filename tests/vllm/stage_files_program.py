@@ -23,20 +23,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from shared_codec.checkpoint import load_checkpoint
+    from tests.vllm._engine import start_llm
 
-    llm = LLM(
-        model=args.v0,
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-    )
+    llm = start_llm(args.v0)
     sp = SamplingParams(max_tokens=8, temperature=0.0)
 
     def tokens() -> list:
