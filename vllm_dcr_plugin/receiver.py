@@ -19,6 +19,7 @@ Limitations:
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +31,9 @@ from shared_codec.checkpoint import combined_digest, iter_checkpoint, tensor_dig
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.format import decode_payload
+from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin.apply import apply_item
+from vllm_dcr_plugin.apply import apply_batch, plan_batches
 from vllm_dcr_plugin.intercept import (
     TraceHandler,
     ViewGeom,
@@ -52,6 +54,10 @@ def key_from_env() -> bytes | None:
         return bytes.fromhex(raw)
     except ValueError:
         raise ProtocolError(f"{KEY_ENV} must be hex-encoded") from None
+
+
+class _InjectedFailure(LoaderConditionError):
+    """Fault injection (`fail_after_items`): raised before the loader pulls the next item."""
 
 
 class Receiver:
@@ -108,6 +114,8 @@ class Receiver:
             (dtype_of(s.dtype).itemsize * _numel(s.shape) for s in specs.values()), default=0
         )
         self.scratch = torch.zeros(largest, dtype=torch.uint8)
+        # compile the scatter kernels now, not inside the first timed apply
+        warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
         storages = self._named_storages()
         before = self._param_snapshot()
         saved = {n: p.data for n, p in self.model.named_parameters()}
@@ -206,13 +214,51 @@ class Receiver:
         res["rank"] = self.rank.get("rank", 0)
         return res
 
+    def fetch(
+        self,
+        store_spec: str | dict[str, Any],
+        version: int,
+        attempt: int,
+        timeout_s: float = 60.0,
+        kill_after_payloads: int | None = None,
+    ) -> dict[str, Any]:
+        """Fetch every payload of the attempt's manifest from an object store (see
+        `shared_codec.transport.store.open_store` for the spec) and stage it. Returns counts and
+        the staging results; a rejected payload fails the fetch (nothing of it is applied).
+        `kill_after_payloads` SIGKILLs this process after staging that many (recovery tests)."""
+        from shared_codec.transport.objects import ObjectFetcher
+        from shared_codec.transport.store import open_store
+
+        self._require_prewarm()
+        t0 = time.perf_counter()
+        fetcher = ObjectFetcher(open_store(store_spec), key=self.staging.key)
+        out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
+        for payload in fetcher.fetch(int(version), int(attempt), float(timeout_s)):
+            if kill_after_payloads is not None and out["payloads"] >= kill_after_payloads:
+                os.kill(os.getpid(), signal.SIGKILL)
+            res = self.stage([payload])
+            if res["rejected"]:
+                raise PayloadError(f"fetched payload rejected: {res['rejected'][0]['reason']}")
+            out["payloads"] += 1
+            out["bytes"] += len(payload)
+            out["staged"] += len(res["staged"])
+            out["duplicates"] += len(res["duplicates"])
+        out["seconds"] = time.perf_counter() - t0
+        out["rank"] = self.rank.get("rank", 0)
+        return out
+
     def apply(
-        self, attempt: int, verify: bool = False, fail_after_items: int | None = None
+        self,
+        attempt: int,
+        verify: bool = False,
+        fail_after_items: int | None = None,
+        kill_after_items: int | None = None,
     ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place; returns the ACK (plain dict).
 
-        `fail_after_items` is fault injection for recovery tests: the attempt fails (as a loader
-        error would) after that many items were applied, leaving a partial apply behind.
+        Fault injection for recovery tests: `fail_after_items` fails the attempt (as a loader
+        error would) after that many items were applied, leaving a partial apply behind;
+        `kill_after_items` SIGKILLs this process at that point (a receiver dying mid-apply).
         """
         self._require_prewarm()
         assert self.scratch is not None
@@ -246,6 +292,7 @@ class Receiver:
             "payloads": 0,
             "items": 0,
             "skipped_items": 0,
+            "batches": 0,
             "elements_written": 0,
             "bytes": 0,
             "compressed_bytes": 0,
@@ -258,6 +305,17 @@ class Receiver:
         storages = self._named_storages()
         before = self._param_snapshot()
         touched = False
+        pulled = [0]  # items the loader pulled so far (fault injection counts these)
+
+        def before_item(item: Any) -> None:
+            if kill_after_items is not None and pulled[0] >= kill_after_items:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fail_after_items is not None and pulled[0] >= fail_after_items:
+                raise _InjectedFailure(
+                    f"injected failure after {fail_after_items} items (fault injection)"
+                )
+            pulled[0] += 1
+
         t_start = time.perf_counter()
         try:
             for sp in staged:
@@ -267,30 +325,37 @@ class Receiver:
                 )
                 ack["timings"]["decode_s"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                for item in payload.items:
-                    if item.name in self.skipped:
-                        ack["skipped_items"] += 1
-                        continue
-                    if fail_after_items is not None and ack["items"] >= fail_after_items:
-                        raise LoaderConditionError(
-                            f"injected failure after {fail_after_items} items (fault injection)"
-                        )
-                    ack["partial_item"] = item.name
+                items = [it for it in payload.items if it.name not in self.skipped]
+                ack["skipped_items"] += len(payload.items) - len(items)
+                for batch in plan_batches(items, self.scratch.numel(), set(self.overwrite_only)):
                     touched = True
-                    res = apply_item(
-                        self.model,
-                        item,
-                        scratch=self.scratch,
-                        model_storages=storages,
-                        masked=item.name in self.overwrite_only,
-                        verify=verify,
-                    )
-                    ack["partial_item"] = None
-                    ack["items"] += 1
-                    ack["elements_written"] += res.elements_written
-                    ack["bytes"] += item.raw_bytes
-                    if verify:
-                        ack["post_apply_mismatches"] += res.mismatches
+                    done = pulled[0]
+                    try:
+                        results = apply_batch(
+                            self.model,
+                            batch,
+                            scratch=self.scratch,
+                            model_storages=storages,
+                            masked=set(self.overwrite_only),
+                            verify=verify,
+                            before_item=before_item,
+                        )
+                    except _InjectedFailure:
+                        ack["items"] += pulled[0] - done  # the loader finished what it pulled
+                        raise
+                    except Exception:
+                        # the loader streams: items pulled before the last one are complete,
+                        # the last one it pulled may be partial
+                        ack["items"] += max(0, pulled[0] - done - 1)
+                        ack["partial_item"] = batch[max(0, pulled[0] - done - 1)].name
+                        raise
+                    ack["items"] += len(batch)
+                    ack["batches"] += 1
+                    for item, res in zip(batch, results, strict=True):
+                        ack["elements_written"] += res.elements_written
+                        ack["bytes"] += item.raw_bytes
+                        if verify:
+                            ack["post_apply_mismatches"] += res.mismatches
                 if self._param_snapshot() != before:
                     raise LoaderConditionError("the loader rebound parameters during apply")
                 ack["timings"]["apply_s"] += time.perf_counter() - t0
@@ -321,8 +386,8 @@ class Receiver:
     def commit(self, version: int) -> dict[str, Any]:
         """The coordinator committed `version`: make it this receiver's committed version."""
         version = int(version)
-        if self.state == "clean" and version == self.committed_version:
-            return {"committed_version": version, "changed": False}
+        if version == self.committed_version:  # a repeated commit (e.g. a resuming coordinator)
+            return {"committed_version": version, "changed": False, "state": self.state}
         if self.state != "applied" or self.target_version != version:
             raise ProtocolError(
                 f"cannot commit version {version}: receiver is {self.state} with target "
