@@ -1,5 +1,14 @@
-"""Shared set-up of the Megatron rank programs: CPU layer, process group, model from a tiny HF
-fixture loaded through the bridge, Megatron DDP + optimizer, and one real training step."""
+"""A small reference trainer for tests, benchmarks and the demo: CPU layer, process group, a
+GPTModel loaded from an HF checkpoint through the bridge, Megatron DDP + Megatron Adam, and two
+kinds of real optimizer steps: `Trainer.step` (next-token loss on a deterministic random batch)
+and `Trainer.pg_step` (a REINFORCE-style policy-gradient step on sampled completions).
+
+Production jobs use their own training stack; DCR needs only their model chunks and optimizer.
+
+Limitations:
+1. PP=1; every rank of a TP group must pass the same samples to `pg_step` (the owner service
+   broadcasts them).
+"""
 
 from __future__ import annotations
 
@@ -81,3 +90,32 @@ class Trainer:
         if not ok:
             raise AssertionError(f"optimizer step {i} skipped")
         return float(loss.item()), float(grad_norm)
+
+    def pg_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """One policy-gradient step. Each sample: ``prompt`` and ``completion`` (token ids) and
+        ``advantage``; the loss is the advantage-weighted negative log-likelihood of the
+        completion tokens, averaged over completion tokens (REINFORCE with a baseline)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        if not samples:
+            raise ValueError("pg_step needs at least one sample")
+        seqs = [list(s["prompt"]) + list(s["completion"]) for s in samples]
+        width = max(len(x) for x in seqs)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+        weight = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
+        for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+            tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            start = len(s["prompt"]) - 1  # label position of the first completion token
+            weight[i, start : len(seq) - 1] = float(s["advantage"])
+        n_tokens = max(1, sum(len(s["completion"]) for s in samples))
+        pos = torch.arange(width - 1).unsqueeze(0).expand(len(seqs), width - 1)
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        nll = self.ddp(tokens[:, :-1], pos, attention_mask=None, labels=tokens[:, 1:])
+        loss = (nll.float() * weight).sum() / n_tokens
+        loss.backward()
+        finalize_model_grads([self.ddp])
+        ok, grad_norm, _ = self.opt.step()
+        if not ok:
+            raise RuntimeError("optimizer step skipped (non-finite gradients)")
+        return {"pg_loss": float(loss.item()), "grad_norm": float(grad_norm or 0.0)}

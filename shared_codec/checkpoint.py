@@ -109,3 +109,31 @@ def save_checkpoint(
     contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     save_file(contiguous, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+_ST_DTYPES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+    "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+}  # fmt: skip
+
+
+def tensor_table(path: str | os.PathLike[str]) -> list[list]:
+    """``[[name, dtype, shape], ...]`` of a checkpoint directory from the safetensors headers
+    (no tensor data read): the table ``dcr_prewarm`` takes."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path}")
+    table: list[list] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = sf.get_slice(name)
+                dtype = _ST_DTYPES.get(sl.get_dtype())
+                if dtype is None:
+                    raise ValueError(
+                        f"{f.name}: tensor {name} has unsupported dtype {sl.get_dtype()}"
+                    )
+                table.append([name, dtype, list(sl.get_shape())])
+    return sorted(table)

@@ -10,7 +10,7 @@ Errors: a DCR error (bad arguments, wrong order, loader condition) is returned a
 ``{"ok": False, "error": "..."}`` on every rank rather than raised (see `_rpc`).
 
 RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
-``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_status``.
+``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_status``.
 
 Limitations:
 1. The request gate checks that the worker holds no request state; the orchestrator closes the
@@ -57,6 +57,15 @@ def _rpc(fn: F) -> F:
         return out
 
     return wrapper  # type: ignore[return-value]
+
+
+def _opt_int(v: Any) -> int | None:
+    """Optional ints arrive as ints, or as strings through vLLM's HTTP ``/collective_rpc``."""
+    return None if v is None or v == "" else int(v)
+
+
+def _bool(v: Any) -> bool:
+    return v.lower() in ("1", "true", "yes") if isinstance(v, str) else bool(v)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -131,13 +140,37 @@ class DCRWorkerExtension:
         return self._dcr_receiver().stage(payloads)
 
     @_rpc
+    def dcr_fetch(
+        self,
+        store: str,
+        version: int,
+        attempt: int,
+        timeout_s: float = 60.0,
+        kill_after_payloads: int | None = None,
+    ) -> dict[str, Any]:
+        """Fetch the attempt's payloads from an object store and stage them. `store` is a JSON
+        store spec (``{"kind": "dir", "root": ...}`` or ``{"kind": "s3", "bucket": ...,
+        "endpoint_url": ...}``); every rank fetches for itself. `kill_after_payloads`: recovery
+        tests only."""
+        return self._dcr_receiver().fetch(
+            store, int(version), int(attempt), float(timeout_s), _opt_int(kill_after_payloads)
+        )
+
+    @_rpc
     def dcr_apply(
-        self, attempt: int, verify: bool = False, fail_after_items: int | None = None
+        self,
+        attempt: int,
+        verify: bool = False,
+        fail_after_items: int | None = None,
+        kill_after_items: int | None = None,
     ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
         reports items, elements, bytes, timings and post-apply mismatches (``verify``).
-        `fail_after_items` injects a failure part-way (recovery tests only)."""
-        return self._dcr_receiver().apply(attempt, verify, fail_after_items)
+        `fail_after_items` / `kill_after_items` inject a failure / a process kill part-way
+        (recovery tests only)."""
+        return self._dcr_receiver().apply(
+            int(attempt), _bool(verify), _opt_int(fail_after_items), _opt_int(kill_after_items)
+        )
 
     @_rpc
     def dcr_commit(self, version: int) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""A Megatron trainer job that serves DCR: ``python -m torch.distributed.run --nproc_per_node N
+-m megatron_dcr_hooks.rl_trainer --ckpt HF_DIR --tp T --endpoint tcp://HOST:PORT --store SPEC``.
+
+Every rank loads the HF checkpoint into a GPTModel through the bridge (`trainer.py`), attaches
+the DCR owner hook (mode X, no optimizer wrapping: the coordinator decides when to build), and
+serves the owner service (`service.py`) with the loop's own ops:
+
+- ``pg_step`` {samples: [{prompt, completion, advantage}]}: one policy-gradient optimizer step;
+- ``train`` {step}: one next-token optimizer step on a deterministic random batch;
+- ``export`` {path}: the bridge's full HF export written by rank 0 (dense-refit references and
+  the checkpoints restarted receivers restore from);
+- ``inject`` {rate, seed}: change a uniform share `rate` of every parameter's elements by
+  relative amplitude 1e-2, identically on replicas (benchmarks).
+
+Used by the demo (`dcr demo`) and the coordinator tests. CPU only here (gloo, the CPU layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="HF checkpoint directory (the v0 policy)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--endpoint", required=True, help="ZeroMQ address rank 0 binds")
+    ap.add_argument("--store", required=True, help="store spec (JSON) the payloads go to")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
+    args = ap.parse_args(argv)
+
+    from megatron_dcr_hooks.trainer import Trainer, start
+
+    cfg, model, _ = start(args.ckpt, args.tp, 1)
+    from megatron_dcr_hooks.conversion import export_hf_weights
+    from megatron_dcr_hooks.hook import DCRConfig, DCRHook
+    from megatron_dcr_hooks.service import Handler, OwnerService
+    from shared_codec.checkpoint import save_checkpoint
+    from shared_codec.transport.store import open_store
+
+    trainer = Trainer(model, cfg, distributed_optimizer=False, lr=args.lr)
+    hook = DCRHook(
+        [model],
+        DCRConfig(model_type=cfg["model_type"], wrap_step=False, bucket_bytes=args.bucket_bytes),
+    )
+
+    def train(req: dict[str, Any]) -> dict[str, Any]:
+        loss, grad_norm = trainer.step(int(req["step"]))
+        return {"loss": loss, "grad_norm": grad_norm}
+
+    def pg_step(req: dict[str, Any]) -> dict[str, Any]:
+        return trainer.pg_step(list(req["samples"]))
+
+    def export(req: dict[str, Any]) -> dict[str, Any]:
+        tensors = export_hf_weights(model, cfg["model_type"])
+        if dist.get_rank() == 0:
+            save_checkpoint(tensors, req["path"], like=args.ckpt)
+        dist.barrier()
+        return {"path": req["path"], "tensors": len(tensors)}
+
+    def inject(req: dict[str, Any]) -> dict[str, Any]:
+        from megatron_dcr_hooks.bench_construct import inject as perturb
+
+        perturb(model, float(req["rate"]), int(req.get("seed", 0)))
+        return {"rate": float(req["rate"])}
+
+    handlers: dict[str, Handler] = {
+        "train": train,
+        "pg_step": pg_step,
+        "export": export,
+        "inject": inject,
+    }
+    OwnerService(hook, open_store(args.store), args.endpoint, handlers).serve()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The coordinator: drives one refit transition (committed v-1 -> v) through owners and
+receivers to a joint commit, retrying failed attempts with overwrites.
+
+Who calls what (the coordinator is the only caller; owners and receivers are handles that fan
+out to every trainer rank / every receiver rank behind them):
+
+1. ``prepare``: read the commit record (the committed version c; the target is c+1) and reserve
+   an attempt id with a create-only attempt record ``attempts/v<v>/a<a>.json`` in the control
+   store. Attempt 0 of a version is the normal mixed XOR/overwrite delta; any later attempt
+   (after a failure, or after a coordinator restart that finds earlier attempts) is a retry:
+   overwrites of the complete changed set from the same candidate weights.
+2. ``owners.build(v, a, retry)``: owners construct and publish the attempt's payloads and the
+   manifest. A failure here fails the attempt (nothing was applied anywhere).
+3. ``open_apply``: every required receiver gets the attempt delivered (fetched / streamed and
+   staged) and applies it (``dcr_apply``), concurrently, each within its deadline. An ACK that is
+   not ok, a raised error, or a missed deadline fails the attempt and names the receiver.
+4. Joint commit: only when every required receiver ACKed ok, the coordinator compare-and-sets
+   the commit record (version, baseline id, attempt, receivers, per-receiver digests). Then
+   receivers and owners are told to commit (owners advance their baselines in place).
+
+Failure handling: a failed attempt is fenced on every reachable receiver (``abort``: its staged
+and late payloads are refused by attempt id) and on the owners; receivers that failed are
+restored to the committed version with a dense load (restarting them where the handle can) -
+membership changes only here, between attempts; then the next attempt (a retry) starts. After
+``max_attempts`` the transition raises `RefitFailed` and leaves the committed version in force
+(receivers that applied part of it are dirty until a later retry or dense load repairs them).
+
+A new coordinator calls `resume()`: if the commit record is ahead of the participants (the old
+coordinator died after the compare-and-set), it finishes the commit on them; otherwise the next
+`refit` reserves the next attempt id, which is a retry, so nothing is committed twice and no
+version is lost. Two coordinators racing on the record: exactly one compare-and-set wins, the
+other gets `CommitConflict` and tells nobody to commit.
+
+Limitations:
+1. One transition at a time per control store (attempt ids are reserved create-only, so two
+   coordinators never share an attempt, but they would still race on the participants).
+2. Deadlines are enforced by the coordinator; a receiver that misses one keeps running the call
+   until its handle gives up (handles should pass the deadline on as their own timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared_codec.commit import CommitConflict, CommitLog, CommitRecord
+from shared_codec.errors import DCRError
+from shared_codec.transport.store import ObjectStore
+
+ATTEMPTS = "attempts/"
+
+
+class RefitFailed(DCRError):
+    """Every attempt of a transition failed. State left behind: the committed version is
+    unchanged in the commit record and on the owners; receivers may be dirty (a later
+    overwrite retry or a dense load of the committed version repairs them)."""
+
+
+class Owners(Protocol):
+    """The owner group (every trainer rank). Implementations: `megatron_dcr_hooks.service`."""
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
+        """Construct and publish attempt `attempt` of `version` (payloads, then manifest).
+        Returns at least ``baseline_id`` plus whatever the owners report (bytes, times)."""
+        ...
+
+    def commit(self, version: int) -> None: ...
+
+    def abort(self, version: int, attempt: int) -> None: ...
+
+
+class Receiver(Protocol):
+    """One rollout engine (all its ranks). Implementations: `vllm_dcr_plugin.remote`."""
+
+    name: str
+
+    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
+        """Deliver (fetch or receive, then stage) and apply the attempt; returns the ACK."""
+        ...
+
+    def commit(self, version: int) -> None: ...
+
+    def abort(self, attempt: int) -> None: ...
+
+    def digest(self) -> str: ...
+
+    def restore(self, version: int) -> None:
+        """Bring this receiver (restarting it if it died) to committed `version` by a dense
+        load, ready to take the next attempt."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorConfig:
+    """`max_attempts` per transition; `ack_timeout_s`: deadline for each receiver's delivery +
+    apply; `record_digests`: read every receiver's digest into the commit record (a full hash of
+    the weights on every rank: cheap for small models, seconds for large ones)."""
+
+    max_attempts: int = 3
+    ack_timeout_s: float = 600.0
+    record_digests: bool = True
+
+
+@dataclass
+class AttemptResult:
+    attempt: int
+    retry: bool
+    ok: bool
+    owners: dict[str, Any] = field(default_factory=dict)
+    acks: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    unreachable: set[str] = field(default_factory=set)  # raised or missed the deadline
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RefitResult:
+    """What one transition did: the commit record and every attempt."""
+
+    version: int
+    record: CommitRecord
+    attempts: list[AttemptResult]
+
+    @property
+    def retries(self) -> int:
+        return len(self.attempts) - 1
+
+
+def _attempt_key(version: int, attempt: int) -> str:
+    return f"{ATTEMPTS}v{version:012d}/a{attempt:06d}.json"
+
+
+class Coordinator:
+    """Runs transitions (see the module docstring for the protocol)."""
+
+    def __init__(
+        self,
+        control: ObjectStore,
+        owners: Owners,
+        receivers: list[Receiver],
+        config: CoordinatorConfig | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        names = [r.name for r in receivers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"receiver names must be unique, got {names}")
+        self.control = control
+        self.commits = CommitLog(control)
+        self.owners = owners
+        self.receivers = list(receivers)
+        self.config = config or CoordinatorConfig()
+        self.log = log or (lambda msg: None)
+
+    # -- state from the control store ---------------------------------------------------------
+    def committed_version(self) -> int:
+        cur = self.commits.current()
+        if cur is None:
+            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+        return cur.version
+
+    def initialize(self, baseline_id: str = "v0") -> CommitRecord:
+        """Commit version 0 (the weights every participant starts from, e.g. dense-loaded from
+        the initial checkpoint) unless a record exists; returns the current record."""
+        cur = self.commits.current()
+        if cur is not None:
+            return cur
+        digests = {r.name: r.digest() for r in self.receivers} if self.config.record_digests else {}
+        record = CommitRecord(
+            version=0,
+            base_version=0,
+            baseline_id=baseline_id,
+            attempt=0,
+            receivers=tuple(r.name for r in self.receivers),
+            digests=digests,
+        )
+        try:
+            return self.commits.commit(None, record)
+        except CommitConflict:
+            cur = self.commits.current()
+            assert cur is not None
+            return cur
+
+    def attempts_of(self, version: int) -> list[int]:
+        prefix = f"{ATTEMPTS}v{version:012d}/"
+        return sorted(int(k[len(prefix) + 1 : -5]) for k in self.control.list(prefix))
+
+    def resume(self) -> int:
+        """A (new) coordinator's first call: finish a commit the record holds but participants
+        may not have seen; returns the committed version."""
+        cur = self.commits.current()
+        if cur is None:
+            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+        for r in self.receivers:
+            r.commit(cur.version)
+        self.owners.commit(cur.version)
+        return cur.version
+
+    def prepare(self, version: int) -> tuple[int, bool]:
+        """Reserve the next attempt id of `version`; returns (attempt, retry)."""
+        committed = self.committed_version()
+        if version != committed + 1:
+            raise ValueError(f"cannot refit version {version}: committed version is {committed}")
+        attempt = max(self.attempts_of(version), default=-1) + 1
+        while True:
+            intent = {"version": version, "attempt": attempt, "time": time.time()}
+            if self.control.put_if_absent(
+                _attempt_key(version, attempt), json.dumps(intent).encode()
+            ):
+                return attempt, attempt > 0
+            attempt += 1  # another coordinator reserved it first: never share an attempt
+
+    # -- one transition ----------------------------------------------------------------------
+    def refit(self, version: int | None = None) -> RefitResult:
+        """Run the transition to `version` (default: committed + 1) to its joint commit."""
+        committed = self.committed_version()
+        version = committed + 1 if version is None else version
+        attempts: list[AttemptResult] = []
+        self._fence_earlier(version)
+        for _ in range(self.config.max_attempts):
+            attempt, retry = self.prepare(version)
+            res = self._attempt(version, attempt, retry)
+            attempts.append(res)
+            if res.ok:
+                t0 = time.perf_counter()
+                record = self._commit(version, committed, res)
+                res.seconds["commit"] = time.perf_counter() - t0
+                return RefitResult(version=version, record=record, attempts=attempts)
+            self._fence(version, res)
+        raise RefitFailed(
+            f"refit to version {version} failed after {len(attempts)} attempts: "
+            + "; ".join(f"attempt {a.attempt}: {a.failed}" for a in attempts)
+        )
+
+    def _attempt(self, version: int, attempt: int, retry: bool) -> AttemptResult:
+        res = AttemptResult(attempt=attempt, retry=retry, ok=False)
+        self.log(f"version {version} attempt {attempt}{' (retry: overwrites)' if retry else ''}")
+        t0 = time.perf_counter()
+        try:
+            res.owners = self.owners.build(version, attempt, retry)
+        except Exception as e:
+            res.failed["owners"] = f"{type(e).__name__}: {e}"
+            return res
+        res.seconds["build"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        timeout = self.config.ack_timeout_s
+        pool = ThreadPoolExecutor(max_workers=max(1, len(self.receivers)))
+        futures = {r.name: pool.submit(r.apply, version, attempt, timeout) for r in self.receivers}
+        deadline = time.monotonic() + timeout
+        for name, fut in futures.items():
+            try:
+                ack = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                res.failed[name] = f"no ACK within {timeout:.0f}s"
+                res.unreachable.add(name)
+                continue
+            except Exception as e:
+                res.failed[name] = f"{type(e).__name__}: {e}"
+                res.unreachable.add(name)
+                continue
+            res.acks[name] = ack
+            if not ack.get("ok"):
+                res.failed[name] = str(ack.get("error") or "ACK not ok")
+        pool.shutdown(wait=False, cancel_futures=True)
+        res.seconds["apply"] = time.perf_counter() - t1
+        res.ok = not res.failed
+        if not res.ok:
+            self.log(f"version {version} attempt {attempt} failed: {res.failed}")
+        return res
+
+    def _commit(self, version: int, committed: int, res: AttemptResult) -> CommitRecord:
+        digests = {r.name: r.digest() for r in self.receivers} if self.config.record_digests else {}
+        record = CommitRecord(
+            version=version,
+            base_version=committed,
+            baseline_id=str(res.owners.get("baseline_id", "")),
+            attempt=res.attempt,
+            receivers=tuple(r.name for r in self.receivers),
+            digests=digests,
+        )
+        record = self.commits.commit(committed, record)  # CommitConflict: tell nobody to commit
+        for r in self.receivers:
+            r.commit(version)
+        self.owners.commit(version)
+        self.log(f"version {version} committed (attempt {res.attempt})")
+        return record
+
+    def _fence_earlier(self, version: int) -> None:
+        """Attempts of `version` reserved by an earlier coordinator: refuse their late payloads
+        (a receiver that cannot be reached now fails the next attempt and is restored then)."""
+        for a in self.attempts_of(version):
+            for r in self.receivers:
+                try:
+                    r.abort(a)
+                except Exception as e:
+                    self.log(f"could not fence attempt {a} on {r.name}: {e}")
+
+    def _fence(self, version: int, res: AttemptResult) -> None:
+        """Stop a failed attempt everywhere, then restore the receivers that failed."""
+        committed = version - 1
+        for r in self.receivers:
+            if r.name in res.unreachable:
+                continue
+            try:
+                r.abort(res.attempt)
+            except Exception as e:  # unreachable now: it is restored below
+                res.failed[r.name] = f"abort failed: {type(e).__name__}: {e}"
+                res.unreachable.add(r.name)
+        try:
+            self.owners.abort(version, res.attempt)
+        except Exception as e:
+            raise RefitFailed(f"owners could not abort attempt {res.attempt}: {e}") from e
+        for r in self.receivers:  # alive-but-failed receivers are repaired by the overwrite retry
+            if r.name in res.unreachable:
+                self.log(f"restoring receiver {r.name} to committed version {committed}")
+                r.restore(committed)
+
+
+__all__ = [
+    "AttemptResult",
+    "CommitConflict",
+    "Coordinator",
+    "CoordinatorConfig",
+    "Owners",
+    "Receiver",
+    "RefitFailed",
+    "RefitResult",
+]

@@ -1,0 +1,122 @@
+"""A real refit cluster on loopback for coordinator tests: a 2-rank Megatron trainer job (TP=2,
+gloo) serving the DCR owner service, `vllm serve` receivers with the DCR worker extension, and
+one directory store holding payloads, manifests, attempt and commit records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from shared_codec.checkpoint import tensor_table
+from shared_codec.control import RemoteOwners
+from shared_codec.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.transport.store import DirectoryStore
+from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
+from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
+
+
+class Cluster:
+    def __init__(self, ckpt: Path, tmp: Path, receivers: int = 2) -> None:
+        self.ckpt, self.tmp = ckpt, tmp
+        self.store_spec = {"kind": "dir", "root": str(tmp / "store")}
+        self.store = DirectoryStore(tmp / "store")
+        self.ckpts = tmp / "ckpts"
+        self.n_receivers = receivers
+        self.trainer: subprocess.Popen | None = None
+        self.servers: list[ServeProcess] = []
+        self.receivers: list[HttpReceiver] = []
+        self.owners: RemoteOwners | None = None
+
+    def checkpoint_for(self, version: int) -> str:
+        return str(self.ckpts / f"v{version}")
+
+    def start(self) -> None:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        cmd = [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "megatron_dcr_hooks.rl_trainer",
+            "--ckpt",
+            str(self.ckpt),
+            "--tp",
+            "2",
+            "--endpoint",
+            endpoint,
+            "--store",
+            json.dumps(self.store_spec),
+        ]
+        self.trainer_log = open(self.tmp / "trainer.log", "w")  # noqa: SIM115
+        self.trainer = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=base_env(OMP_NUM_THREADS="1"),
+            stdout=self.trainer_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.servers = [
+            ServeProcess(self.ckpt, free_port(), log=self.tmp / f"serve{i}.log", env=base_env())
+            for i in range(self.n_receivers)
+        ]
+        urls = [s.start(timeout_s=420) for s in self.servers]
+        self.owners = RemoteOwners(endpoint, timeout_s=300)
+        self.owners.call("status", timeout_s=300)  # the trainer job is up
+        self.owners.call("export", path=self.checkpoint_for(0))
+        table = tensor_table(self.checkpoint_for(0))
+        self.receivers = [
+            HttpReceiver(
+                f"engine{i}",
+                url,
+                store=self.store_spec,
+                checkpoint_for=self.checkpoint_for,
+                tensors=table,
+                launcher=self.servers[i].start,
+                verify=True,
+            )
+            for i, url in enumerate(urls)
+        ]
+        for r in self.receivers:
+            r.restore(0)  # dense load of the v0 export + prewarm: every receiver clean at v0
+
+    def coordinator(self, **config: float) -> Coordinator:
+        assert self.owners is not None
+        return Coordinator(
+            self.store,
+            self.owners,
+            self.receivers,  # type: ignore[arg-type]
+            CoordinatorConfig(**config),  # type: ignore[arg-type]
+            log=lambda m: print(f"[coordinator] {m}", flush=True),
+        )
+
+    def dense_digest(self, version: int, receiver: int = 0) -> str:
+        """Digest after a dense load of the version's export on a receiver (the reference).
+        Leaves that receiver clean at `version`."""
+        r = self.receivers[receiver]
+        r.rpc("dcr_dense_load", self.checkpoint_for(version), version)
+        r.reset_prefix_cache()
+        return r.digest()
+
+    def stop(self) -> None:
+        if self.owners is not None:
+            try:
+                self.owners.stop(timeout_s=30)
+            except Exception:
+                pass
+        if self.trainer is not None:
+            deadline = time.monotonic() + 30
+            while self.trainer.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            kill_group(self.trainer)
+            self.trainer_log.close()
+        for s in self.servers:
+            s.stop()

@@ -1,0 +1,170 @@
+"""Coordinator end to end on real components: a Megatron trainer job (2 gloo ranks, TP=2) doing
+real optimizer steps behind the owner service, two `vllm serve` receivers driven over HTTP
+(`/collective_rpc`), a directory store. Refits commit through the compare-and-set record; a
+receiver killed mid-apply and another failing part-way are repaired by the overwrite retry and
+a restart + dense load; a coordinator that dies between the ACKs and the commit is replaced by a
+new one that resumes without a double commit; a payload lost in transport fails the attempt,
+late payloads of the failed attempt are refused and duplicates apply once. Every committed
+version is checked bit for bit against a dense load of the trainer's export of that version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared_codec.coordinator import Coordinator
+from tests._cluster import Cluster
+
+NAMES = ("engine0", "engine1")
+
+
+class LossyOwners:
+    """Wraps the real owner service: deletes the last payload of attempt 0 from the store after
+    it was published (a payload lost in transport); when the retry is built, first delivers
+    attempt 0's payloads late to every receiver and records the refusal, then (after the retry
+    is published) delivers the retry once ahead of the coordinator (a duplicate delivery)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster, self.inner = cluster, cluster.owners
+        self.dropped: list[str] = []
+        self.late: dict[str, str] = {}
+        self.duplicates: list[dict] = []
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict:
+        store = self.cluster.store
+        if attempt == 1:  # attempt 0 was fenced by now: its payloads must be refused
+            for r in self.cluster.receivers:
+                try:
+                    r.rpc("dcr_fetch", r.store, version, 0, 30)
+                    self.late[r.name] = "accepted"
+                except Exception as e:
+                    self.late[r.name] = str(e)
+        out = self.inner.build(version, attempt, retry)
+        if attempt == 0:
+            keys = [k for k in store.list(f"v{version:012d}/a000000/") if k.endswith(".dcrp")]
+            store.delete(keys[-1])
+            self.dropped.append(keys[-1])
+        else:
+            for r in self.cluster.receivers:
+                r.rpc("dcr_fetch", r.store, version, attempt, 30)
+                (again,) = r.rpc("dcr_fetch", r.store, version, attempt, 30)
+                self.duplicates.append(again)
+        return out
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, version: int, attempt: int) -> None:
+        self.inner.abort(version, attempt)
+
+
+def _check_exact(cluster: Cluster, version: int) -> None:
+    refit = [r.digest() for r in cluster.receivers]
+    assert len(set(refit)) == 1, refit
+    cluster.owners.call("export", path=cluster.checkpoint_for(version))
+    # dense reference on the last receiver, after the refit digests were taken
+    assert cluster.dense_digest(version, receiver=len(cluster.receivers) - 1) == refit[0]
+
+
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) -> None:
+    cluster = Cluster(tiny_models["qwen3"], tmp_path)
+    try:
+        cluster.start()
+        coord = cluster.coordinator(ack_timeout_s=240)
+        rec0 = coord.initialize("export-v0")
+        assert rec0.version == 0 and len(set(rec0.digests.values())) == 1
+
+        # 1. a clean refit: one attempt, XOR + overwrite payloads, committed
+        cluster.owners.call("train", step=1)
+        res = coord.refit()
+        assert res.version == 1 and res.retries == 0 and res.record.attempt == 0
+        assert res.attempts[0].owners["payloads"] > 1
+        assert all(a["ok"] for a in res.attempts[0].acks.values())
+        assert coord.committed_version() == 1
+        _check_exact(cluster, 1)  # leaves engine1 dense-loaded at v1: still clean at v1
+
+        # 2. engine0 is killed mid-apply, engine1 fails part-way: attempt 0 fails, both are
+        # fenced, engine0 restarts and dense-loads v1, the overwrite retry repairs engine1
+        cluster.owners.call("train", step=2)
+        cluster.receivers[0].faults = {"kill_after_items": 3}
+        cluster.receivers[1].faults = {"fail_after_items": 2}
+        res = coord.refit()
+        first = res.attempts[0]
+        assert not first.ok and first.unreachable == {"engine0"}
+        assert "injected failure" in first.failed["engine1"]
+        assert res.retries == 1 and res.attempts[1].retry and res.record.attempt == 1
+        assert res.record.version == 2 and res.record.base_version == 1
+        _check_exact(cluster, 2)
+
+        # 3. the coordinator dies after every ACK, before the compare-and-set
+        cluster.owners.call("train", step=3)
+        attempt, retry = coord.prepare(3)
+        assert (attempt, retry) == (0, False)
+        assert coord._attempt(3, attempt, retry).ok  # receivers now hold an applied v3
+        del coord
+        fresh = cluster.coordinator(ack_timeout_s=240)
+        assert fresh.resume() == 2  # nothing committed twice, nothing lost
+        res = fresh.refit()
+        assert res.record.version == 3 and res.record.attempt == 1 and res.attempts[0].retry
+        _check_exact(cluster, 3)
+
+        # a duplicate commit of an old version is refused by the record
+        assert fresh.commits.current().version == 3
+        with pytest.raises(ValueError, match="committed version is 3"):
+            fresh.prepare(3)
+
+        # 4. a payload lost in transport fails attempt 0 on every receiver (named in the error);
+        # when the retry starts, attempt 0's payloads arriving late are refused (fenced); the
+        # retry's payloads delivered twice are staged once and applied once
+        cluster.owners.call("train", step=4)
+        lossy = LossyOwners(cluster)
+        res = Coordinator(cluster.store, lossy, cluster.receivers, fresh.config).refit()
+        assert lossy.dropped and all("is missing" in res.attempts[0].failed[r] for r in NAMES)
+        assert all("fenced" in lossy.late[r] for r in NAMES), lossy.late
+        assert all(d["duplicates"] == d["payloads"] > 0 for d in lossy.duplicates), lossy.duplicates
+        assert res.record.version == 4 and res.record.attempt == 1
+        _check_exact(cluster, 4)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.timeout(5400)
+def test_randomised_kill_trials(tiny_models, tmp_path: Path) -> None:
+    """20 transitions, each with a random fault on a random receiver: killed mid-apply, killed
+    mid-transfer, failing part-way, or none. Every transition must commit bit-exact."""
+    import random
+
+    rng = random.Random(20261202)
+    faults = [
+        ("kill mid-apply", "kill_after_items"),
+        ("kill mid-transfer", "kill_after_payloads"),
+        ("fail part-way", "fail_after_items"),
+        ("none", ""),
+    ]
+    cluster = Cluster(tiny_models["qwen3"], tmp_path)
+    seen = []
+    try:
+        cluster.start()
+        coord = cluster.coordinator(ack_timeout_s=240)
+        coord.initialize("export-v0")
+        for trial in range(1, 21):
+            cluster.owners.call("train", step=trial)
+            label, key = rng.choice(faults)
+            victim = rng.randrange(len(cluster.receivers))
+            if key:
+                cluster.receivers[victim].faults = {key: rng.randint(0, 4)}
+            res = coord.refit()
+            seen.append((trial, label, victim, len(res.attempts)))
+            print(f"[trial {trial}] {label} on engine{victim}: {len(res.attempts)} attempt(s)")
+            assert res.record.version == trial
+            _check_exact(cluster, trial)
+        assert {label for _, label, _, _ in seen} >= {"kill mid-apply", "kill mid-transfer"}
+    finally:
+        cluster.stop()

@@ -1,0 +1,274 @@
+"""Drive DCR on `vllm serve` engines over HTTP: a coordinator receiver handle and a local
+launcher.
+
+`HttpReceiver` is the `shared_codec.coordinator.Receiver` of one ``vllm serve`` engine (all its
+ranks). It uses only vLLM's own HTTP API: ``POST /collective_rpc`` (the dev endpoints, enabled
+with ``VLLM_SERVER_DEV_MODE=1``) to call the ``dcr_`` RPCs, ``POST /reset_prefix_cache`` after
+every apply or dense load, and ``GET /health``. Payloads never pass through HTTP: ``dcr_fetch``
+makes every worker fetch the attempt from the object store named by the store spec.
+
+`ServeProcess` starts ``vllm serve MODEL --worker-extension-cls
+vllm_dcr_plugin.DCRWorkerExtension`` in its own process group on loopback (the demo, tests, and
+`HttpReceiver.restore` after a receiver died).
+
+Limitations:
+1. The dev endpoints must not be exposed beyond the trusted control network (vLLM warns at
+   start); put an authenticating proxy in front of them in production.
+2. `restore` restarts a dead engine only when a launcher was given; otherwise it raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shared_codec.errors import DCRError
+
+EXTENSION = "vllm_dcr_plugin.DCRWorkerExtension"
+
+
+class HttpReceiver:
+    """Coordinator handle for one ``vllm serve`` engine (see the module docstring).
+
+    `store`: store spec the workers fetch from; `checkpoint_for(version)`: a canonical
+    checkpoint directory of a committed version (dense loads on restore); `tensors`: the
+    canonical tensor table for ``dcr_prewarm`` (``[[name, dtype, shape], ...]``); `launcher`:
+    starts a replacement engine and returns its base URL. `faults` (recovery tests only): keyword
+    arguments for the next ``dcr_fetch`` / ``dcr_apply`` (e.g. ``kill_after_items``), used once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        store: dict[str, Any],
+        checkpoint_for: Callable[[int], str],
+        tensors: list,
+        launcher: Callable[[], str] | None = None,
+        verify: bool = False,
+    ) -> None:
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.store = json.dumps(store, sort_keys=True)
+        self.checkpoint_for = checkpoint_for
+        self.tensors = tensors
+        self.launcher = launcher
+        self.verify = verify
+        self.faults: dict[str, int] = {}
+        self.last: dict[str, Any] = {}
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        req = urllib.request.Request(
+            self.base_url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise DCRError(
+                f"receiver {self.name}: POST {path} -> HTTP {e.code}: {e.read()[:300]!r}"
+            ) from None
+        except (urllib.error.URLError, OSError) as e:
+            raise DCRError(f"receiver {self.name} unreachable at {self.base_url}: {e}") from None
+        return json.loads(raw) if raw else None
+
+    def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Call a dcr_ RPC on every rank; raise DCRError naming the receiver and failing ranks."""
+        out = self._post(
+            "/collective_rpc",
+            {"method": method, "args": list(args), "timeout": timeout},
+            timeout + 30,
+        )
+        replies = (out or {}).get("results")
+        if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
+            raise DCRError(f"receiver {self.name}: {method} returned {out!r}")
+        bad = [r for r in replies if not r.get("ok")]
+        if bad:
+            raise DCRError(
+                f"receiver {self.name}: {method} failed on "
+                + "; ".join(f"rank {r.get('rank')}: {r.get('error')}" for r in bad)
+            )
+        return replies
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache", None, 60)
+
+    # -- coordinator Receiver protocol -----------------------------------------------------------
+    def prewarm(self, version: int) -> list[dict[str, Any]]:
+        return self.rpc("dcr_prewarm", self.tensors, version)
+
+    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
+        """Fetch + stage on every rank, then apply; the merged ACK of all ranks."""
+        faults, self.faults = self.faults, {}
+        t0 = time.perf_counter()
+        fetched = self.rpc(
+            "dcr_fetch",
+            self.store,
+            version,
+            attempt,
+            timeout_s,
+            faults.get("kill_after_payloads"),
+            timeout=timeout_s,
+        )
+        t1 = time.perf_counter()
+        try:
+            acks = self._post(
+                "/collective_rpc",
+                {
+                    "method": "dcr_apply",
+                    "args": [
+                        attempt,
+                        self.verify,
+                        faults.get("fail_after_items"),
+                        faults.get("kill_after_items"),
+                    ],
+                    "timeout": timeout_s,
+                },
+                timeout_s + 30,
+            )["results"]
+        finally:
+            if self.healthy():
+                self.reset_prefix_cache()  # also after a failed apply: weights may be partial
+        errors = [f"rank {a.get('rank')}: {a.get('error')}" for a in acks if not a.get("ok")]
+        merged: dict[str, Any] = {
+            "ok": not errors,
+            "error": "; ".join(errors) or None,
+            "ranks": acks,
+            "fetch_s": t1 - t0,
+            "apply_s": time.perf_counter() - t1,
+            "fetched_bytes": sum(int(f.get("bytes", 0)) for f in fetched),
+            "payloads": max((int(f.get("payloads", 0)) for f in fetched), default=0),
+            "elements_written": sum(int(a.get("elements_written", 0)) for a in acks),
+        }
+        self.last = merged
+        return merged
+
+    def commit(self, version: int) -> None:
+        self.rpc("dcr_commit", version)
+
+    def abort(self, attempt: int) -> None:
+        self.rpc("dcr_abort", attempt)
+
+    def digest(self) -> str:
+        """One digest of the engine: SHA-256 over the ranks' combined digests in rank order."""
+        replies = sorted(self.rpc("dcr_digest"), key=lambda r: int(r.get("rank", 0)))
+        h = hashlib.sha256()
+        for r in replies:
+            h.update(str(r["digest"]).encode())
+        return h.hexdigest()
+
+    def restore(self, version: int) -> None:
+        """Restart the engine if it died (needs a launcher), dense-load committed `version`,
+        prewarm; the receiver is then clean at `version`."""
+        if not self.healthy():
+            if self.launcher is None:
+                raise DCRError(f"receiver {self.name} is down and has no launcher to restart it")
+            self.base_url = self.launcher().rstrip("/")
+        self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
+        self.reset_prefix_cache()
+        self.prewarm(version)
+
+
+class ServeProcess:
+    """A local ``vllm serve`` with the DCR worker extension, in its own process group."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        port: int,
+        *,
+        log: str | os.PathLike[str],
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        served_name: str = "policy",
+    ) -> None:
+        self.model, self.port = str(model), int(port)
+        self.log, self.env = Path(log), env
+        self.extra_args = extra_args or []
+        self.served_name = served_name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Start the server and wait until ``/health`` answers; returns the base URL."""
+        self.stop()
+        vllm_bin = Path(sys.executable).with_name("vllm")
+        cmd = [
+            str(vllm_bin) if vllm_bin.exists() else "vllm",
+            "serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", "4",
+            "--gpu-memory-utilization", "0.1", "--seed", "0",
+            "--served-model-name", self.served_name,
+            "--worker-extension-cls", EXTENSION,
+            *self.extra_args,
+        ]  # fmt: skip
+        env = dict(self.env if self.env is not None else os.environ)
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        with open(self.log, "ab") as log_f:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        probe = HttpReceiver("probe", self.base_url, store={}, checkpoint_for=str, tensors=[])
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DCRError(
+                    f"vllm serve exited with {self.proc.returncode} during start; see {self.log}"
+                )
+            if probe.healthy(timeout=2.0):
+                return self.base_url
+            time.sleep(1.0)
+        self.stop()
+        raise DCRError(f"vllm serve did not become healthy in {timeout_s:.0f}s; see {self.log}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, for recovery tests)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.proc = None
