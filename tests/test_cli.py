@@ -83,3 +83,66 @@ def test_bench_construct_small_run_writes_json(tmp_path: Path) -> None:
         assert by[(rate, "X")]["payload_bytes"] < by[(rate, "P")]["payload_bytes"]
         assert 0 < by[(rate, "X")]["scan_efficiency"]
     assert res["affine_share"] == 1.0
+
+
+def _payload(tmp: Path, key: bytes | None = None) -> tuple[Path, list]:
+    import torch
+
+    from shared_codec.buckets import BucketConfig, encode_items
+    from shared_codec.format import PayloadMeta
+    from shared_codec.records import Kind, diff_tensors
+
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[::9] += 1
+    items = [
+        diff_tensors("a.weight", old, new, owner=1, kind=Kind.XOR),
+        diff_tensors("b.weight", old, new, owner=1, kind=Kind.OVERWRITE),
+    ]
+    meta = PayloadMeta(version=4, base_version=3, attempt=2, owner=1, sequence=0)
+    (data,) = encode_items(items, meta, BucketConfig(key=key))
+    path = tmp / "p.dcrp"
+    path.write_bytes(data)
+    return path, items
+
+
+def test_inspect_shows_header_items_and_checks_digest(tmp_path: Path) -> None:
+    path, items = _payload(tmp_path)
+    r = _dcr("inspect", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert (info["base_version"], info["version"], info["attempt"], info["owner"]) == (3, 4, 2, 1)
+    assert info["digest_check"] == "ok" and info["bytes"] == path.stat().st_size
+    assert [(i["name"], i["kind"], i["count"]) for i in info["items"]] == [
+        ("a.weight", "XOR", items[0].count),
+        ("b.weight", "OVERWRITE", items[1].count),
+    ]
+    assert info["entries"] == items[0].count + items[1].count
+    table = _dcr("inspect", str(path))
+    assert table.returncode == 0 and "a.weight" in table.stdout and "digest ok" in table.stdout
+    # a flipped byte: the header still shows, the digest check fails, exit status 1
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    bad = _dcr("inspect", str(path))
+    assert bad.returncode == 1 and "digest FAILED" in bad.stdout and "mismatch" in bad.stdout
+
+
+def test_inspect_keyed_payload_and_errors(tmp_path: Path) -> None:
+    key = bytes(range(32))
+    path, _ = _payload(tmp_path, key=key)
+    assert _dcr("inspect", str(path), "--key", key.hex()).returncode == 0
+    wrong = _dcr("inspect", str(path), "--key", "00" * 32)
+    assert wrong.returncode == 1 and "digest FAILED" in wrong.stdout
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"not a payload")
+    r = _dcr("inspect", str(junk))
+    assert r.returncode == 1 and "is not a DCR payload" in r.stderr
+    missing = _dcr("inspect", str(tmp_path / "nope.dcrp"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_demo_help() -> None:
+    r = _dcr("demo", "--help")
+    assert r.returncode == 0 and "--kill-every" in r.stdout and "--transport" in r.stdout

@@ -1,0 +1,447 @@
+"""``dcr demo`` / ``make demo``: an RL loop refit by DCR after every step, checked bit for bit.
+
+On one machine, with embedded defaults: the tiny Qwen3 fixture; a trainer job of 2 Megatron
+ranks (TP=2, gloo) serving the DCR owner service (`megatron_dcr_hooks.rl_trainer`); a rollout
+engine (``vllm serve`` with the DCR worker extension) and a reference engine that is
+dense-loaded with the trainer's export after every step; a store for payloads, manifests, attempt
+and commit records (a local directory, or S3: a given endpoint or a local ``moto_server``).
+
+Each step: the rollout engine samples completions of fixed prompts (seeded per request); the
+reward is the share of even token ids in a completion (something a policy can learn quickly);
+advantages are rewards minus the batch mean; the trainer takes one policy-gradient optimizer
+step; the coordinator refits the rollout engine (owners build and upload, the engine fetches and
+applies, the commit record is compare-and-set); the reference engine dense-loads the export of
+the same version and the two digests must be equal (``bit_exact``). ``--refit dense`` runs the
+same loop with dense loads instead of DCR (the baseline the tests compare against);
+``--kill-every K`` kills the rollout engine mid-apply every K steps (the coordinator fences the
+attempt, restarts the engine, dense-loads the committed version and retries with overwrites).
+
+Writes ``OUT/report.json`` (every step: rewards, element change rate, payload bytes and % of the
+checkpoint, construction / transport+apply / commit seconds, attempts, bit_exact), ``report.png``
+(refit timeline per stage and bytes per step) and ``report.html`` embedding it.
+
+Limitations:
+1. Transports: ``dir`` and ``s3``; the relay tree delivers to in-process engines
+   (`relay_stage.py`), not yet to ``vllm serve`` engines, so it is not a demo option yet.
+2. ``--refit dense`` reuses the reference engine's digest check (it is trivially exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from shared_codec.checkpoint import tensor_table
+from shared_codec.control import RemoteOwners
+from shared_codec.coordinator import Coordinator, CoordinatorConfig, RefitFailed
+from shared_codec.errors import DCRError
+from shared_codec.transport.store import open_store
+from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
+
+PROMPTS = [
+    "The policy update",
+    "Rollout engines keep",
+    "Only the changed bits",
+    "A refit is exact when",
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(out: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_SERVER_DEV_MODE": "1",
+        }
+    )
+    return env
+
+
+def reward_of(tokens: list[int]) -> float:
+    """Share of even token ids in a completion (0 for an empty one)."""
+    return sum(1 for t in tokens if t % 2 == 0) / len(tokens) if tokens else 0.0
+
+
+def generate(url: str, step: int, samples_per_prompt: int, max_tokens: int) -> list[dict]:
+    """Sample completions one request at a time (fixed batch composition: reproducible)."""
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(samples_per_prompt):
+            body = {
+                "model": "policy",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "seed": 1000 * step + 10 * i + j,
+                "return_token_ids": True,
+            }
+            req = urllib.request.Request(
+                url + "/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                choice = json.loads(resp.read())["choices"][0]
+            out.append(
+                {
+                    "prompt": list(choice["prompt_token_ids"]),
+                    "completion": list(choice["token_ids"]),
+                }
+            )
+    return out
+
+
+class Demo:
+    """Processes and state of one demo run (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.work = self.out / "work"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.servers: list[ServeProcess] = []
+        self.owners: RemoteOwners | None = None
+
+    def log(self, msg: str) -> None:
+        print(f"[demo] {msg}", flush=True)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _store_spec(self) -> dict[str, Any]:
+        a = self.args
+        if a.transport == "dir":
+            return {"kind": "dir", "root": str(self.work / "store")}
+        endpoint = a.endpoint
+        if not endpoint:
+            port = _free_port()
+            log = open(self.work / "moto.log", "wb")  # noqa: SIM115
+            exe = Path(sys.executable).with_name("moto_server")
+            self.procs.append(
+                subprocess.Popen(
+                    [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            endpoint = f"http://127.0.0.1:{port}"
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
+            for _ in range(100):
+                try:
+                    urllib.request.urlopen(endpoint, timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            self.log(f"started moto_server at {endpoint}")
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+            Bucket=a.bucket
+        )
+        return {"kind": "s3", "bucket": a.bucket, "endpoint_url": endpoint, "prefix": "demo"}
+
+    def start(self) -> None:
+        from shared_codec.tiny_models import write_tiny_model
+
+        if self.work.exists():
+            shutil.rmtree(self.work)
+        self.work.mkdir(parents=True)
+        model = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
+        self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
+        env = _env(self.out)
+        self.store = open_store(self.spec)
+        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
+        trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115
+        self.procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    "2",
+                    "--master_addr",
+                    "127.0.0.1",
+                    "--master_port",
+                    str(_free_port()),
+                    "-m",
+                    "megatron_dcr_hooks.rl_trainer",
+                    "--ckpt",
+                    str(model),
+                    "--tp",
+                    "2",
+                    "--endpoint",
+                    endpoint,
+                    "--store",
+                    json.dumps(self.spec),
+                    "--lr",
+                    str(self.args.lr),
+                ],
+                stdout=trainer_log,
+                stderr=subprocess.STDOUT,
+                env={**env, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
+            )
+        )
+        self.servers = [
+            ServeProcess(model, _free_port(), log=self.work / f"{name}.log", env=env)
+            for name in ("rollout", "reference")
+        ]
+        urls = [s.start(timeout_s=600) for s in self.servers]
+        self.owners = RemoteOwners(endpoint, timeout_s=600)
+        self.owners.call("status", timeout_s=600)
+        self.owners.call("export", path=self.ckpt(0))
+        table = tensor_table(self.ckpt(0))
+        self.rollout, self.reference = (
+            HttpReceiver(
+                name,
+                url,
+                store=self.spec,
+                checkpoint_for=self.ckpt,
+                tensors=table,
+                launcher=server.start,
+            )
+            for name, url, server in zip(("rollout", "reference"), urls, self.servers, strict=True)
+        )
+        for r in (self.rollout, self.reference):
+            r.restore(0)
+        self.checkpoint_bytes = sum(
+            f.stat().st_size for f in Path(self.ckpt(0)).glob("*.safetensors")
+        )
+        self.coord = Coordinator(
+            self.store,
+            self.owners,
+            [self.rollout],
+            CoordinatorConfig(max_attempts=3, ack_timeout_s=300),
+            log=lambda m: self.log(f"coordinator: {m}"),
+        )
+        self.coord.initialize("export-v0")
+        self.log("ready: every engine holds v0, commit record v0 written")
+
+    def ckpt(self, version: int) -> str:
+        return str(self.work / "ckpts" / f"v{version}")
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, Any]:
+        a = self.args
+        assert self.owners is not None
+        t0 = time.perf_counter()
+        samples = generate(self.rollout.base_url, step, a.samples, a.max_tokens)
+        gen_s = time.perf_counter() - t0
+        rewards = [reward_of(s["completion"]) for s in samples]
+        mean = sum(rewards) / len(rewards)
+        for s, r in zip(samples, rewards, strict=True):
+            s["advantage"] = r - mean
+        t1 = time.perf_counter()
+        train = self.owners.call("pg_step", samples=samples)
+        train_s = time.perf_counter() - t1
+        row: dict[str, Any] = {
+            "step": step,
+            "version": step,
+            "reward_mean": mean,
+            "rewards": rewards,
+            "pg_loss": train["pg_loss"],
+            "generate_s": gen_s,
+            "train_s": train_s,
+        }
+        killed = bool(a.kill_every and step % a.kill_every == 0)
+        if a.refit == "dcr":
+            if killed:
+                self.rollout.faults = {"kill_after_items": 2}
+            res = self.coord.refit()
+            last = res.attempts[-1]
+            row.update(
+                {
+                    "attempts": len(res.attempts),
+                    "killed": killed,
+                    "element_change_rate": last.owners.get("element_change_rate", 0.0),
+                    "payloads": last.owners.get("payloads", 0),
+                    "payload_bytes": last.owners.get("payload_bytes", 0),
+                    "construct_s": last.owners.get("build_s", 0.0),
+                    "publish_s": last.seconds.get("build", 0.0) - last.owners.get("build_s", 0.0),
+                    "transport_apply_s": last.seconds.get("apply", 0.0),
+                    "fetch_s": last.acks.get("rollout", {}).get("fetch_s", 0.0),
+                    "apply_s": last.acks.get("rollout", {}).get("apply_s", 0.0),
+                    "commit_s": last.seconds.get("commit", 0.0),
+                    "failed_attempts": [a.failed for a in res.attempts[:-1]],
+                }
+            )
+            self.owners.call("export", path=self.ckpt(step))
+        else:
+            t2 = time.perf_counter()
+            self.owners.call("export", path=self.ckpt(step))
+            self.rollout.rpc("dcr_dense_load", self.ckpt(step), step)
+            self.rollout.reset_prefix_cache()
+            row.update({"attempts": 0, "killed": False, "dense_s": time.perf_counter() - t2})
+        row["payload_pct"] = 100.0 * row.get("payload_bytes", 0) / self.checkpoint_bytes
+        self.reference.rpc("dcr_dense_load", self.ckpt(step), step)
+        row["digest"] = self.rollout.digest()
+        row["bit_exact"] = row["digest"] == self.reference.digest()
+        return row
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        self.start()
+        rows = []
+        header = (
+            f"{'step':>4} {'reward':>7} {'changed':>8} {'payload':>10} {'% ckpt':>7} "
+            f"{'build s':>8} {'fetch+apply s':>13} {'commit s':>8} {'tries':>5} {'exact':>5}"
+        )
+        print(header, flush=True)
+        for step in range(1, a.steps + 1):
+            row = self.step(step)
+            rows.append(row)
+            print(
+                f"{step:4d} {row['reward_mean']:7.3f} "
+                f"{100 * row.get('element_change_rate', 0.0):7.2f}% "
+                f"{row.get('payload_bytes', 0):10d} {row['payload_pct']:6.2f}% "
+                f"{row.get('publish_s', 0.0) + row.get('construct_s', 0.0):8.2f} "
+                f"{row.get('transport_apply_s', 0.0):13.2f} {row.get('commit_s', 0.0):8.2f} "
+                f"{row['attempts']:5d} {'yes' if row['bit_exact'] else 'NO':>5}",
+                flush=True,
+            )
+        report = {
+            "demo": "dcr-rl",
+            "refit": a.refit,
+            "transport": a.transport,
+            "steps": a.steps,
+            "kill_every": a.kill_every,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "all_bit_exact": all(r["bit_exact"] for r in rows),
+            "final_digest": rows[-1]["digest"] if rows else None,
+            "rows": rows,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "report.json").write_text(json.dumps(report, indent=2))
+        write_pictures(report, self.out)
+        self.log(
+            f"wrote {self.out / 'report.json'}, report.png, report.html; every refit bit-exact: "
+            f"{report['all_bit_exact']}"
+        )
+        return report
+
+    def stop(self) -> None:
+        if self.owners is not None:
+            try:
+                self.owners.stop(timeout_s=30)
+            except DCRError:
+                pass
+        for s in self.servers:
+            s.stop()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def write_pictures(report: dict[str, Any], out: Path) -> None:
+    """report.png (refit timeline per stage, bytes per step) and report.html embedding it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    bottom = [0.0] * len(rows)
+    for key, label in (
+        ("construct_s", "construction"),
+        ("publish_s", "upload + manifest"),
+        ("fetch_s", "fetch + stage"),
+        ("apply_s", "apply"),
+        ("commit_s", "commit"),
+        ("dense_s", "dense refit"),
+    ):
+        vals = [max(0.0, float(r.get(key, 0.0))) for r in rows]
+        if any(vals):
+            ax1.bar(steps, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("seconds")
+    ax1.set_title("refit timeline per stage")
+    ax1.legend(fontsize=8)
+    ax2.bar(steps, [r.get("payload_bytes", 0) / 1e3 for r in rows], color="tab:green")
+    ax2.axhline(report["checkpoint_bytes"] / 1e3, color="grey", ls="--", label="checkpoint")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("kB")
+    ax2.set_title("payload bytes per step")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "report.png", dpi=100)
+    plt.close(fig)
+    img = base64.b64encode((out / "report.png").read_bytes()).decode()
+    cells = "".join(
+        f"<tr><td>{r['step']}</td><td>{r['reward_mean']:.3f}</td>"
+        f"<td>{r.get('payload_bytes', 0)}</td><td>{r['payload_pct']:.2f}%</td>"
+        f"<td>{r['attempts']}</td><td>{'yes' if r['bit_exact'] else 'NO'}</td></tr>"
+        for r in rows
+    )
+    (out / "report.html").write_text(
+        "<!doctype html><html><head><meta charset='utf-8'><title>DCR demo</title></head><body>"
+        f"<h1>DCR demo: {len(rows)} RL steps, refit by {report['refit']} over "
+        f"{report['transport']}</h1><p>every refit bit-exact: {report['all_bit_exact']}</p>"
+        f"<img src='data:image/png;base64,{img}'/><table border='1'><tr><th>step</th>"
+        "<th>reward</th><th>payload bytes</th><th>% of checkpoint</th><th>attempts</th>"
+        f"<th>bit-exact</th></tr>{cells}</table></body></html>"
+    )
+
+
+def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    ap = ap or argparse.ArgumentParser(prog="dcr demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
+    ap.add_argument("--out", default="out/demo", help="report directory (default out/demo)")
+    ap.add_argument("--transport", choices=["dir", "s3"], default="dir")
+    ap.add_argument("--endpoint", default="", help="S3 endpoint URL (default: a local moto)")
+    ap.add_argument("--bucket", default="dcr-demo")
+    ap.add_argument("--refit", choices=["dcr", "dense"], default="dcr")
+    ap.add_argument("--kill-every", type=int, default=0, help="kill the engine mid-apply")
+    ap.add_argument("--samples", type=int, default=2, help="samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="fixture seed")
+    return ap
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    demo = Demo(args)
+    try:
+        report = demo.run()
+    except (DCRError, RefitFailed) as e:
+        print(f"[demo] failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        demo.stop()
+    return 0 if report["all_bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_demo(build_parser().parse_args()))
