@@ -23,6 +23,7 @@ Limitations:
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,7 @@ from shared_codec.kernels import changed_indices, warm_up
 from shared_codec.records import DeltaItem, Kind, make_item
 
 Sink = Callable[[bytes], None]
+log = logging.getLogger("dcr.owner")
 
 
 @dataclass
@@ -252,6 +254,13 @@ class DCRHook:
         rep.seconds = time.perf_counter() - t0
         self._candidate = version
         self.last_report = rep
+        log.info(
+            "dcr build v%d attempt %d%s: %d payloads, %d bytes, %d entries (%d XOR), change rate "
+            "%.4f, %.3fs (detect %.3fs)",
+            version, attempt, " retry" if retry else "", rep.payloads, rep.payload_bytes,
+            rep.entries, rep.xor_entries, rep.element_change_rate, rep.seconds,
+            rep.detect_seconds,
+        )  # fmt: skip
         return rep
 
     def _emit(

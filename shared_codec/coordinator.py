@@ -41,6 +41,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from shared_codec.errors import DCRError
 from shared_codec.transport.store import ObjectStore
 
 ATTEMPTS = "attempts/"
+_log = logging.getLogger("dcr.coordinator")
 
 
 class RefitFailed(DCRError):
@@ -154,7 +156,7 @@ class Coordinator:
         self.owners = owners
         self.receivers = list(receivers)
         self.config = config or CoordinatorConfig()
-        self.log = log or (lambda msg: None)
+        self.log = log or _log.info
 
     # -- state from the control store ---------------------------------------------------------
     def committed_version(self) -> int:
@@ -318,6 +320,8 @@ class Coordinator:
             if r.name in res.unreachable:
                 self.log(f"restoring receiver {r.name} to committed version {committed}")
                 r.restore(committed)
+                for a in self.attempts_of(version):  # a restored receiver forgot its fences
+                    r.abort(a)
 
 
 __all__ = [

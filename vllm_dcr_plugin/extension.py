@@ -10,7 +10,7 @@ Errors: a DCR error (bad arguments, wrong order, loader condition) is returned a
 ``{"ok": False, "error": "..."}`` on every rank rather than raised (see `_rpc`).
 
 RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
-``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_status``.
+``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_metrics``, ``dcr_status``.
 
 Limitations:
 1. The request gate checks that the worker holds no request state; the orchestrator closes the
@@ -197,6 +197,13 @@ class DCRWorkerExtension:
     def dcr_memory(self, reset_peak: bool = False) -> dict[str, Any]:
         """RSS and peak RSS of this worker process (peak reset first with `reset_peak`)."""
         return self._dcr_receiver().memory(reset_peak)
+
+    @_rpc
+    def dcr_metrics(self) -> dict[str, Any]:
+        """This rank's Prometheus metrics: ``{"text": exposition, "port": port or None}``
+        (vllm_dcr_plugin/metrics.py; ``DCR_METRICS_PORT`` also serves them over HTTP)."""
+        m = self._dcr_receiver().metrics
+        return {"rank": int(getattr(self, "rank", 0)), "text": m.text(), "port": m.server_port}
 
     @_rpc
     def dcr_status(self) -> dict[str, Any]:

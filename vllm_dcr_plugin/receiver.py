@@ -40,6 +40,7 @@ from vllm_dcr_plugin.intercept import (
     WriteInterceptMode,
     storage_key,
 )
+from vllm_dcr_plugin.metrics import ReceiverMetrics
 from vllm_dcr_plugin.staging import StagingArea, TensorSpec
 
 KEY_ENV = "DCR_PAYLOAD_KEY"
@@ -85,6 +86,7 @@ class Receiver:
         self.state = "clean"
         self.target_version: int | None = None
         self.last_ack: dict[str, Any] | None = None
+        self.metrics = ReceiverMetrics(int(rank.get("rank", 0)))
 
     # -- model storage -------------------------------------------------------------------
     def _named_storages(self) -> dict[int, str]:
@@ -212,6 +214,7 @@ class Receiver:
             unsupported=set(self.unsupported),
         )
         res["rank"] = self.rank.get("rank", 0)
+        self.metrics.staged(res, sum(len(p) for p in payloads))
         return res
 
     def fetch(
@@ -245,9 +248,23 @@ class Receiver:
             out["duplicates"] += len(res["duplicates"])
         out["seconds"] = time.perf_counter() - t0
         out["rank"] = self.rank.get("rank", 0)
+        self.metrics.fetch_seconds.observe(out["seconds"])
         return out
 
     def apply(
+        self,
+        attempt: int,
+        verify: bool = False,
+        fail_after_items: int | None = None,
+        kill_after_items: int | None = None,
+    ) -> dict[str, Any]:
+        """See `_apply`; also counts the apply in the metrics."""
+        t0 = time.perf_counter()
+        ack = self._apply(attempt, verify, fail_after_items, kill_after_items)
+        self.metrics.applied(ack, time.perf_counter() - t0)
+        return ack
+
+    def _apply(
         self,
         attempt: int,
         verify: bool = False,
@@ -397,6 +414,7 @@ class Receiver:
         self.state = "clean"
         self.target_version = None
         self.staging.new_transition()
+        self.metrics.committed.set(version)
         return {"committed_version": version, "changed": True}
 
     def abort(self, attempt: int) -> dict[str, Any]:
@@ -419,6 +437,8 @@ class Receiver:
             raise ProtocolError(f"request gate closed for dense load: {gate}")
         t0 = time.perf_counter()
         loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
+        self.metrics.dense_loads.inc()
+        self.metrics.committed.set(int(version))
         self.committed_version = int(version)
         self.state = "clean"
         self.target_version = None

@@ -37,6 +37,11 @@ from shared_codec.errors import DCRError
 EXTENSION = "vllm_dcr_plugin.DCRWorkerExtension"
 
 
+class ReceiverUnreachable(DCRError):
+    """The engine did not answer (connection refused or reset, timeout, HTTP error): it may be
+    dead. The coordinator treats the receiver as unreachable and restores it."""
+
+
 class HttpReceiver:
     """Coordinator handle for one ``vllm serve`` engine (see the module docstring).
 
@@ -78,11 +83,13 @@ class HttpReceiver:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise DCRError(
+            raise ReceiverUnreachable(
                 f"receiver {self.name}: POST {path} -> HTTP {e.code}: {e.read()[:300]!r}"
             ) from None
         except (urllib.error.URLError, OSError) as e:
-            raise DCRError(f"receiver {self.name} unreachable at {self.base_url}: {e}") from None
+            raise ReceiverUnreachable(
+                f"receiver {self.name} unreachable at {self.base_url}: {e}"
+            ) from None
         return json.loads(raw) if raw else None
 
     def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
@@ -118,18 +125,26 @@ class HttpReceiver:
         return self.rpc("dcr_prewarm", self.tensors, version)
 
     def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        """Fetch + stage on every rank, then apply; the merged ACK of all ranks."""
+        """Fetch + stage on every rank, then apply; the merged ACK of all ranks. A fetch the
+        engine answered with an error (a missing or rejected payload) is a failed ACK; an engine
+        that does not answer raises `ReceiverUnreachable`."""
         faults, self.faults = self.faults, {}
         t0 = time.perf_counter()
-        fetched = self.rpc(
-            "dcr_fetch",
-            self.store,
-            version,
-            attempt,
-            timeout_s,
-            faults.get("kill_after_payloads"),
-            timeout=timeout_s,
-        )
+        try:
+            fetched = self.rpc(
+                "dcr_fetch",
+                self.store,
+                version,
+                attempt,
+                timeout_s,
+                faults.get("kill_after_payloads"),
+                timeout=timeout_s,
+            )
+        except ReceiverUnreachable:
+            raise
+        except DCRError as e:
+            self.last = {"ok": False, "error": f"fetch failed: {e}", "ranks": []}
+            return self.last
         t1 = time.perf_counter()
         try:
             acks = self._post(

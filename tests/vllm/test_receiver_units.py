@@ -118,6 +118,16 @@ def test_fake_loader_paths_classified_and_applied_exactly() -> None:
     ref = {n: v0[n].clone() for n in refit}
     apply_items(ref, items)
     assert all(torch.equal(ref[n].view(torch.int16), v1[n].view(torch.int16)) for n in refit)
+    # metrics count what happened (Prometheus text exposition)
+    rx.stage(encode_items(items, meta))  # the same payload again: a duplicate
+    text = rx.metrics.text()
+    assert 'dcr_payloads_total{result="staged"} 1.0' in text
+    assert 'dcr_payloads_total{result="duplicate"} 1.0' in text
+    assert 'dcr_applies_total{result="ok"} 1.0' in text
+    assert f"dcr_elements_written_total {float(ack['elements_written'])}" in text
+    assert "dcr_apply_seconds_count 1.0" in text
+    rx.commit(1)
+    assert "dcr_committed_version 1.0" in rx.metrics.text()
 
 
 def test_stage_refuses_xor_for_overwrite_only_and_unsupported_tensors() -> None:
@@ -188,3 +198,18 @@ def test_map_through_view_matches_brute_force() -> None:
         want_valid = np.array([int(x) in where for x in k])
         assert np.array_equal(valid, want_valid)
         assert np.array_equal(off, np.array([where[int(x)] for x in k if int(x) in where]))
+
+
+def test_metrics_served_over_http_when_port_is_set(monkeypatch) -> None:
+    import urllib.request
+
+    from tests._procs import free_port
+
+    port = free_port()
+    monkeypatch.setenv("DCR_METRICS_PORT", str(port - 1))
+    rx = Receiver(FakeLoaderModel(), rank={"rank": 1})  # served on port - 1 + rank
+    assert rx.metrics.server_port == port
+    rx.metrics.dense_loads.inc()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        body = resp.read().decode()
+    assert "dcr_dense_loads_total 1.0" in body and "dcr_applies_total" in body

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one receiver rank (prometheus_client, a vLLM dependency).
+
+Each `Receiver` owns a `ReceiverMetrics` with its own registry (so several receivers in one
+process, e.g. unit tests, never collide). The ``dcr_metrics`` RPC returns the text exposition of
+every rank (scrape it through ``collective_rpc`` or vLLM's HTTP ``/collective_rpc``); with
+``DCR_METRICS_PORT`` set, each worker also serves ``/metrics`` on ``DCR_METRICS_PORT + rank``
+(vLLM's own ``/metrics`` lives in the API server process, not in the workers).
+
+Metrics: ``dcr_payloads_total{result=staged|duplicate|rejected}``, ``dcr_payload_bytes_total``,
+``dcr_applies_total{result=ok|failed}``, ``dcr_elements_written_total``,
+``dcr_apply_seconds`` / ``dcr_fetch_seconds`` (histograms), ``dcr_dense_loads_total``,
+``dcr_committed_version``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ENV_PORT = "DCR_METRICS_PORT"
+ENV_ADDR = "DCR_METRICS_ADDR"  # default 127.0.0.1; 0.0.0.0 to let a remote Prometheus scrape
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
+
+
+class ReceiverMetrics:
+    """Counters and histograms updated by the receiver state machine."""
+
+    def __init__(self, rank: int = 0) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.payloads = Counter(
+            "dcr_payloads", "Payloads offered to dcr_stage", ["result"], registry=r
+        )
+        self.payload_bytes = Counter(
+            "dcr_payload_bytes", "Bytes of payloads offered to dcr_stage", registry=r
+        )
+        self.applies = Counter("dcr_applies", "dcr_apply calls", ["result"], registry=r)
+        self.elements = Counter(
+            "dcr_elements_written", "Elements written in place by dcr_apply", registry=r
+        )
+        self.apply_seconds = Histogram(
+            "dcr_apply_seconds", "dcr_apply wall time", buckets=_BUCKETS, registry=r
+        )
+        self.fetch_seconds = Histogram(
+            "dcr_fetch_seconds", "dcr_fetch wall time", buckets=_BUCKETS, registry=r
+        )
+        self.dense_loads = Counter("dcr_dense_loads", "dcr_dense_load calls", registry=r)
+        self.committed = Gauge("dcr_committed_version", "Committed policy version", registry=r)
+        self.server_port: int | None = None
+        port = os.environ.get(ENV_PORT)
+        if port:
+            from prometheus_client import start_http_server
+
+            self.server_port = int(port) + int(rank)
+            addr = os.environ.get(ENV_ADDR, "127.0.0.1")
+            start_http_server(self.server_port, addr=addr, registry=r)
+
+    def staged(self, result: dict[str, Any], nbytes: int) -> None:
+        self.payloads.labels("staged").inc(len(result.get("staged", [])))
+        self.payloads.labels("duplicate").inc(len(result.get("duplicates", [])))
+        self.payloads.labels("rejected").inc(len(result.get("rejected", [])))
+        self.payload_bytes.inc(nbytes)
+
+    def applied(self, ack: dict[str, Any], seconds: float) -> None:
+        self.applies.labels("ok" if ack.get("ok") else "failed").inc()
+        self.elements.inc(int(ack.get("elements_written", 0)))
+        self.apply_seconds.observe(seconds)
+
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
