@@ -5,6 +5,8 @@ Subcommands (each has ``--help``):
 - ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
   qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
 - ``dcr inspect PAYLOAD [--key HEX] [--json]``: header, items, encodings, sizes, digest check.
+- ``dcr verify URL... [--store SPEC] [--checkpoint DIR --reference URL]``: receivers' digests
+  against the commit record, and/or tensor by tensor against a dense load on a reference engine.
 - ``dcr demo [--steps N] [--transport dir|s3] [--endpoint URL] [--kill-every K] [--refit dcr|dense]``:
   the end-to-end RL loop (vllm_dcr_plugin/demo.py); writes out/demo/report.{json,png,html}.
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
@@ -180,6 +182,77 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if check.startswith("ok") else 1
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from shared_codec.errors import DCRError
+    from vllm_dcr_plugin.remote import HttpReceiver  # HTTP only: no vllm import here
+
+    if bool(args.checkpoint) != bool(args.reference):
+        print("dcr verify: --checkpoint and --reference go together", file=sys.stderr)
+        return 2
+    if not args.store and not args.checkpoint:
+        print("dcr verify: give --store SPEC and/or --checkpoint DIR --reference URL",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    def handle(url: str) -> HttpReceiver:
+        return HttpReceiver(url, url, store={}, checkpoint_for=str, tensors=[])
+
+    out: dict = {"receivers": {}, "ok": True}
+    try:
+        digests = {u: handle(u).digest() for u in args.receivers}
+        out["receivers"] = {u: {"digest": d} for u, d in digests.items()}
+        if args.store:
+            from shared_codec.commit import CommitLog
+            from shared_codec.transport.store import open_store
+
+            rec = CommitLog(open_store(args.store)).current()
+            if rec is None:
+                raise DCRError("the store holds no commit record")
+            committed = set(rec.digests.values())
+            out["commit"] = {"version": rec.version, "attempt": rec.attempt, "digests": committed}
+            for u, d in digests.items():
+                same = d in committed
+                out["receivers"][u]["matches_commit_record"] = same
+                out["ok"] &= same
+        if args.checkpoint:
+            ref = handle(args.reference)
+            ref.rpc("dcr_dense_load", args.checkpoint, args.version)
+            ref.reset_prefix_cache()
+            want = {r["rank"]: r["tensors"] for r in ref.rpc("dcr_digest")}
+            for u in args.receivers:
+                got = {r["rank"]: r["tensors"] for r in handle(u).rpc("dcr_digest")}
+                bad = sorted(
+                    f"rank {rank}: {name}"
+                    for rank in set(want) | set(got)
+                    for name in set(want.get(rank, {})) | set(got.get(rank, {}))
+                    if want.get(rank, {}).get(name) != got.get(rank, {}).get(name)
+                )
+                out["receivers"][u]["mismatched_tensors"] = bad
+                out["ok"] &= not bad
+    except DCRError as e:
+        print(f"dcr verify: {e}", file=sys.stderr)
+        return 2
+    if "commit" in out:
+        out["commit"]["digests"] = sorted(out["commit"]["digests"])
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for u, r in out["receivers"].items():
+            parts = [f"digest {r['digest'][:16]}"]
+            if "matches_commit_record" in r:
+                parts.append(
+                    "== commit record" if r["matches_commit_record"] else "!= COMMIT RECORD"
+                )
+            if "mismatched_tensors" in r:
+                n = len(r["mismatched_tensors"])
+                parts.append("== dense load" if not n else f"{n} tensors != DENSE LOAD")
+            print(f"{u}: " + ", ".join(parts))
+            for name in r.get("mismatched_tensors", [])[:20]:
+                print(f"    {name}")
+        print("verified: bit-exact" if out["ok"] else "verify FAILED")
+    return 0 if out["ok"] else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from vllm_dcr_plugin import demo
 
@@ -208,6 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", default="", help="hex shared secret for keyed payloads")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "verify",
+        help="check vllm serve receivers bit for bit against the commit record or a checkpoint",
+    )
+    p.add_argument("receivers", nargs="+", metavar="URL", help="receiver base URLs")
+    p.add_argument("--store", default="", help="store spec (JSON) holding the commit record")
+    p.add_argument("--checkpoint", default="", help="canonical checkpoint directory")
+    p.add_argument("--reference", default="", help="engine URL to dense-load the checkpoint on")
+    p.add_argument("--version", type=int, default=0, help="version of --checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_verify)
 
     from vllm_dcr_plugin import demo  # light: no vllm or megatron import (they run as processes)
 

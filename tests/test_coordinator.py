@@ -9,14 +9,23 @@ version is checked bit for bit against a dense load of the trainer's export of t
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from shared_codec.coordinator import Coordinator
 from tests._cluster import Cluster
+from tests._procs import PYTHON
 
 NAMES = ("engine0", "engine1")
+
+
+def _dcr_verify(*args: str) -> subprocess.CompletedProcess:
+    dcr = str(Path(PYTHON).with_name("dcr"))
+    return subprocess.run([dcr, "verify", *args, "--json"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
 
 
 class LossyOwners:
@@ -128,6 +137,29 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert all(d["duplicates"] == d["payloads"] > 0 for d in lossy.duplicates), lossy.duplicates
         assert res.record.version == 4 and res.record.attempt == 1
         _check_exact(cluster, 4)
+
+        # `dcr verify`: both engines against the commit record and a dense load of v4 (exact),
+        # then against v3's checkpoint (engine0 differs tensor by tensor; engine1, the
+        # reference, then holds v3 and no longer matches the commit record)
+        urls = [r.base_url for r in cluster.receivers]
+        spec = json.dumps(cluster.store_spec)
+        good = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(4),
+                           "--reference", urls[1], "--version", "4")  # fmt: skip
+        assert good.returncode == 0, good.stdout + good.stderr
+        report = json.loads(good.stdout)
+        assert report["ok"] and report["commit"]["version"] == 4
+        assert all(r["mismatched_tensors"] == [] for r in report["receivers"].values())
+        bad = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(3),
+                          "--reference", urls[1], "--version", "3")  # fmt: skip
+        assert bad.returncode == 1
+        report = json.loads(bad.stdout)
+        assert report["receivers"][urls[0]]["mismatched_tensors"]
+        assert report["receivers"][urls[1]]["mismatched_tensors"] == []
+        assert not report["ok"]
+        now = _dcr_verify(*urls, "--store", spec)  # engine1 was dense-loaded with v3 above
+        report = json.loads(now.stdout)
+        assert now.returncode == 1 and report["receivers"][urls[0]]["matches_commit_record"]
+        assert not report["receivers"][urls[1]]["matches_commit_record"]
     finally:
         cluster.stop()
 
