@@ -302,26 +302,38 @@ class ThrottledStore:
         self._next = time.monotonic()  # when the link is free again
         self.bytes = 0
 
-    def _pass(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int, since: float | None = None) -> float:
+        """Book `nbytes` on the link (starting no earlier than `since`); returns when the
+        transfer finishes on it."""
         with self._lock:
-            start = max(self._next, time.monotonic())
+            start = max(self._next, time.monotonic() if since is None else since)
             self._next = start + nbytes / self.rate
             self.bytes += nbytes
-            wait = self._next - time.monotonic()
+            return self._next
+
+    @staticmethod
+    def _until(deadline: float) -> None:
+        wait = deadline - time.monotonic()
         if wait > 0:
             time.sleep(wait)
 
+    # the store's own I/O overlaps the emulated transfer: an operation takes
+    # max(its I/O time, its bytes / bandwidth), as on a real link
     def put(self, key: str, data: bytes) -> None:
-        self._pass(len(data))
+        done = self._reserve(len(data))
         self.inner.put(key, data)
+        self._until(done)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        self._pass(len(data))
-        return self.inner.put_if_absent(key, data)
+        done = self._reserve(len(data))
+        created = self.inner.put_if_absent(key, data)
+        self._until(done)
+        return created
 
     def get(self, key: str) -> bytes:
+        t0 = time.monotonic()
         data = self.inner.get(key)
-        self._pass(len(data))
+        self._until(self._reserve(len(data), since=t0))
         return data
 
     def exists(self, key: str) -> bool:

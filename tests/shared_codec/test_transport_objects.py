@@ -175,3 +175,25 @@ def test_injected_s3_errors_are_retried(moto_endpoint) -> None:
             never.put("k/two", b"x")
     finally:
         proxy.shutdown()
+
+
+def test_open_store_specs_and_throttle(tmp_path: Path) -> None:
+    import json
+    import time
+
+    from shared_codec.transport.store import DirectoryStore, ThrottledStore, open_store
+
+    plain = open_store(json.dumps({"kind": "dir", "root": str(tmp_path / "s")}))
+    assert isinstance(plain, DirectoryStore)
+    slow = open_store({"kind": "dir", "root": str(tmp_path / "s"), "bandwidth_bytes_per_s": 4e6})
+    assert isinstance(slow, ThrottledStore)
+    data = bytes(range(256)) * 4096  # 1 MiB
+    t0 = time.monotonic()
+    slow.put("a/x", data)
+    assert slow.get("a/x") == data and plain.get("a/x") == data
+    # two transfers of 1 MiB over a 4 MB/s link cannot finish in less than ~0.5 s
+    assert time.monotonic() - t0 >= 2 * len(data) / 4e6 * 0.99
+    assert slow.bytes == 2 * len(data) and slow.list("a/") == ["a/x"]
+    for bad in ({"kind": "ftp"}, "not json", [1]):
+        with pytest.raises(ValueError, match="store spec"):
+            open_store(bad)  # type: ignore[arg-type]

@@ -1,0 +1,266 @@
+"""``dcr bench refit``: end-to-end DCR refits vs the transport-only full-checkpoint reference,
+through the same object-storage transport and the same bandwidth limit, in one run.
+
+Set-up (one machine): a Qwen3-shaped model (default ``medium``, ~166M parameters, BF16); a
+trainer job of 2 Megatron ranks (TP=2) serving the DCR owner service (`rl_trainer`); `nodes`
+``vllm serve`` rollout engines with the DCR worker extension; a directory store behind a
+`ThrottledStore` of `gbit` Gbit/s in every process that moves payload bytes (each trainer rank
+and each rollout worker has its own emulated link; the orchestrator's link for the reference).
+
+For each change rate (1%, 3%, 5%: a uniform share of every parameter's elements changed by
+relative amplitude 1e-2 on the trainer) one DCR refit runs through the coordinator (owners build
+and upload while constructing; engines fetch, stage, apply; compare-and-set commit, digests not
+recorded); its latency breakdown: construction (slowest rank's ``hook.build``, uploads overlap
+it), upload tail + manifest, transport + apply on the engines (fetch, then apply), commit.
+The reference moves the whole checkpoint of the same version: upload once over the trainer's
+link, download on every rollout node (in parallel, one link each), then a dense load on the
+engine (``dcr_dense_load``); the reference time does not include exporting the checkpoint. The
+engine's digest after the reference's dense load must equal its digest after the DCR refit
+(checked: the benchmark also verifies bit-exactness).
+
+Reported per rate: DCR seconds and breakdown, reference seconds, speedup, transport share of the
+DCR latency, V_payload (unique payload bytes) and V_cross (bytes over the trainer/rollout
+boundary: one upload plus one download per node), and the ratio of the DCR latency to the lower
+bound max(construction, V_payload / bandwidth).
+
+Limitations:
+1. Rollout engines fetch all payloads before applying (no apply/arrival overlap yet); with the
+   relay tree, payloads are staged as they arrive.
+2. One machine: the links are emulated by token buckets, not a network namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from shared_codec.checkpoint import tensor_table
+from shared_codec.control import RemoteOwners
+from shared_codec.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.transport.store import DirectoryStore, ThrottledStore
+from vllm_dcr_plugin.bench_apply import MEDIUM, SMALL
+from vllm_dcr_plugin.demo import _env, _free_port
+from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
+
+
+def run(
+    size: str = "medium",
+    rates: tuple[float, ...] = (0.01, 0.03, 0.05),
+    gbit: float = 1.0,
+    nodes: int = 1,
+) -> dict[str, Any]:
+    from shared_codec.tiny_models import write_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="dcr-bench-refit-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    servers: list[ServeProcess] = []
+    owners: RemoteOwners | None = None
+    bw = gbit * 1e9 / 8
+    try:
+        dims = MEDIUM if size == "medium" else SMALL
+        model = write_tiny_model("qwen3", work / "model", seed=0, **dims)
+        spec = {"kind": "dir", "root": str(work / "store"), "bandwidth_bytes_per_s": bw}
+        env = _env(work)
+        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        print(f"[bench refit] {size} model; links of {gbit} Gbit/s; starting processes", flush=True)
+        trainer_log = open(work / "trainer.log", "wb")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    "2",
+                    "--master_addr",
+                    "127.0.0.1",
+                    "--master_port",
+                    str(_free_port()),
+                    "-m",
+                    "megatron_dcr_hooks.rl_trainer",
+                    "--ckpt",
+                    str(model),
+                    "--tp",
+                    "2",
+                    "--endpoint",
+                    endpoint,
+                    "--store",
+                    json.dumps(spec),
+                    "--bucket-bytes",
+                    str(8 << 20),
+                ],
+                stdout=trainer_log,
+                stderr=subprocess.STDOUT,
+                env={**env, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
+            )
+        )
+        servers = [
+            ServeProcess(model, _free_port(), log=work / f"engine{i}.log", env=env)
+            for i in range(nodes)
+        ]
+        urls = [s.start(timeout_s=900) for s in servers]
+        owners = RemoteOwners(endpoint, timeout_s=900)
+        owners.call("status", timeout_s=900)
+        ckpts = work / "ckpts"
+        owners.call("export", path=str(ckpts / "v0"))
+        v0 = ckpts / "v0"
+        ckpt_bytes = sum(f.stat().st_size for f in v0.glob("*.safetensors"))
+        table = tensor_table(v0)
+        receivers = [
+            HttpReceiver(
+                f"engine{i}",
+                url,
+                store=spec,
+                checkpoint_for=lambda v: str(ckpts / f"v{v}"),
+                tensors=table,
+            )
+            for i, url in enumerate(urls)
+        ]
+        for r in receivers:
+            r.restore(0)
+        coord = Coordinator(
+            DirectoryStore(work / "store"),
+            owners,
+            receivers,  # type: ignore[arg-type]
+            CoordinatorConfig(record_digests=False, ack_timeout_s=900),
+        )
+        coord.initialize("v0")
+        rows = []
+        for i, rate in enumerate(rates):
+            owners.call("inject", rate=rate, seed=i + 1)
+            t0 = time.perf_counter()
+            res = coord.refit()
+            total = time.perf_counter() - t0
+            last = res.attempts[-1]
+            acks = list(last.acks.values())
+            construct = float(last.owners["build_s"])
+            publish_tail = last.seconds["build"] - construct
+            fetch = max(float(a["fetch_s"]) for a in acks)
+            apply = max(float(a["apply_s"]) for a in acks)
+            commit = last.seconds.get("commit", 0.0)
+            payload = int(last.owners["payload_bytes"])
+            # the reference moves this version's checkpoint; its dense load must not change a
+            # bit of what DCR applied (checked), and leaves the engine at the committed version
+            vpath = ckpts / f"v{res.version}"
+            owners.call("export", path=str(vpath))
+            digest = receivers[0].digest()
+            ref = reference(work, vpath, receivers[0], bw, nodes, res.version)
+            if receivers[0].digest() != digest:
+                raise RuntimeError(f"version {res.version}: DCR refit != dense load (digest)")
+            lower = max(construct, payload / bw)
+            transport = publish_tail + fetch
+            rows.append(
+                {
+                    "rate": f"{round(rate * 100)}%",
+                    "element_change_rate": last.owners.get("element_change_rate", 0.0),
+                    "dcr_s": total,
+                    "construct_s": construct,
+                    "upload_tail_s": publish_tail,
+                    "fetch_s": fetch,
+                    "apply_s": apply,
+                    "commit_s": commit,
+                    "transport_share": transport / total,
+                    "v_payload_bytes": payload,
+                    "v_cross_bytes": payload * (1 + nodes),
+                    "reference_s": ref["total_s"],
+                    "reference": ref,
+                    "reference_v_cross_bytes": ckpt_bytes * (1 + nodes),
+                    "speedup": ref["total_s"] / total,
+                    "lower_bound_s": lower,
+                    "latency_vs_lower_bound": total / lower,
+                }
+            )
+            row = rows[-1]
+            print(
+                f"[bench refit] {row['rate']}: DCR {total:.2f}s vs reference "
+                f"{ref['total_s']:.2f}s = {row['speedup']:.1f}x; payload {payload / 1e6:.2f} MB",
+                flush=True,
+            )
+        return {
+            "benchmark": "refit",
+            "size": size,
+            "model": dims,
+            "checkpoint_bytes": ckpt_bytes,
+            "bandwidth_gbit_per_s": gbit,
+            "nodes": nodes,
+            "rows": rows,
+        }
+    finally:
+        if owners is not None:
+            try:
+                owners.stop(timeout_s=30)
+            except Exception:
+                pass
+        for s in servers:
+            s.stop()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def reference(
+    work: Path, ckpt: Path, receiver: HttpReceiver, bw: float, nodes: int, version: int
+) -> dict[str, float]:
+    """Move the whole checkpoint over the same links, then dense-load it on one engine."""
+    files = sorted(ckpt.glob("*.safetensors"))
+    up = ThrottledStore(DirectoryStore(work / "ref-store"), bw)
+    t0 = time.perf_counter()
+    for f in files:
+        up.put(f"ref/{f.name}", f.read_bytes())
+    upload = time.perf_counter() - t0
+    # every node downloads over its own link, in parallel: the time of one download
+    down = ThrottledStore(DirectoryStore(work / "ref-store"), bw)
+    t1 = time.perf_counter()
+    for f in files:
+        down.get(f"ref/{f.name}")
+    download = time.perf_counter() - t1
+    (dense,) = receiver.rpc("dcr_dense_load", str(ckpt), version)
+    receiver.reset_prefix_cache()
+    shutil.rmtree(work / "ref-store", ignore_errors=True)
+    return {
+        "upload_s": upload,
+        "download_s": download,
+        "dense_load_s": float(dense["seconds"]),
+        "total_s": upload + download + float(dense["seconds"]),
+        "nodes": nodes,
+    }
+
+
+def render(res: dict[str, Any]) -> str:
+    out = [
+        f"Refit vs full-checkpoint transfer ({res['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, "
+        f"{res['bandwidth_gbit_per_s']} Gbit/s links, {res['nodes']} rollout node(s))",
+        f"{'rate':>4} | {'DCR s':>6} | {'constr':>6} | {'upl+mf':>6} | {'fetch':>6} | "
+        f"{'apply':>6} | {'commit':>6} | {'ref s':>6} | {'speedup':>7} | {'transport':>9} | "
+        f"{'payload MB':>10} | {'vs bound':>8}",
+    ]
+    for r in res["rows"]:
+        out.append(
+            f"{r['rate']:>4} | {r['dcr_s']:6.2f} | {r['construct_s']:6.2f} | "
+            f"{r['upload_tail_s']:6.2f} | {r['fetch_s']:6.2f} | {r['apply_s']:6.2f} | "
+            f"{r['commit_s']:6.2f} | {r['reference_s']:6.2f} | {r['speedup']:6.1f}x | "
+            f"{100 * r['transport_share']:8.0f}% | {r['v_payload_bytes'] / 1e6:10.2f} | "
+            f"{r['latency_vs_lower_bound']:7.2f}x"
+        )
+    return "\n".join(out)
+
+
+def main(json_path: str | None, size: str, gbit: float, nodes: int) -> int:
+    res = run(size=size, gbit=gbit, nodes=nodes)
+    print(render(res))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(res, indent=2))
+        print(f"\nwrote {json_path}")
+    return 0
