@@ -67,7 +67,7 @@ def run(
         dims = MEDIUM if size == "medium" else SMALL
         model = write_tiny_model("qwen3", work / "model", seed=0, **dims)
         spec = {"kind": "dir", "root": str(work / "store"), "bandwidth_bytes_per_s": bw}
-        env = _env(work)
+        env = _env()
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         print(f"[bench refit] {size} model; links of {gbit} Gbit/s; starting processes", flush=True)
         trainer_log = open(work / "trainer.log", "wb")  # noqa: SIM115

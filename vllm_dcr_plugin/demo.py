@@ -63,7 +63,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env(out: Path) -> dict[str, str]:
+def _env() -> dict[str, str]:
+    """The environment for the demo's child processes (offline hub, small KV cache, dev API)."""
     env = dict(os.environ)
     env.update(
         {
@@ -169,7 +170,7 @@ class Demo:
         self.work.mkdir(parents=True)
         model = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
         self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
-        env = _env(self.out)
+        env = _env()
         self.store = open_store(self.spec)
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
