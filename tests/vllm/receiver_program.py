@@ -137,9 +137,9 @@ def main() -> None:
     report["empty_apply"] = llm.collective_rpc("dcr_apply", args=(0,))
     report["d0_after_empty_apply"] = digests()
 
-    # v0 -> v1: mixed mode, staged twice, applied once
+    # v0 -> v1: mixed mode, delivered in reverse order, staged twice, applied once
     report["n_payloads_v1"] = len(good)
-    report["stage1"] = llm.collective_rpc("dcr_stage", args=(good,))
+    report["stage1"] = llm.collective_rpc("dcr_stage", args=(good[::-1],))
     report["stage1_again"] = llm.collective_rpc("dcr_stage", args=(good,))
     report["ack1"] = llm.collective_rpc("dcr_apply", args=(0, True))
     report["d1"] = digests()

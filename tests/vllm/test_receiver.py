@@ -94,7 +94,8 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     assert "unknown tensor" in r["rejections"]["unknown"][0]["rejected"][0]["reason"]
     assert "on this receiver" in r["rejections"]["wrong_shape"][0]["rejected"][0]["reason"]
     assert r["d0_after_rejections"] == r["d0"] == r["d0_after_empty_apply"]
-    # v0 -> v1 (mixed XOR/overwrite), staged twice, applied once: bit-exact with the dense load
+    # v0 -> v1 (mixed XOR/overwrite), delivered reordered, staged twice, applied once:
+    # bit-exact with the dense load
     assert r["n_payloads_v1"] > 1
     assert all(len(s["staged"]) == r["n_payloads_v1"] for s in r["stage1"])
     assert all(len(s["duplicates"]) == r["n_payloads_v1"] for s in r["stage1_again"])
