@@ -1,5 +1,6 @@
 """A Megatron trainer job that serves DCR: ``python -m torch.distributed.run --nproc_per_node N
--m megatron_dcr_hooks.rl_trainer --ckpt HF_DIR --tp T --endpoint tcp://HOST:PORT --store SPEC``.
+-m megatron_dcr_hooks.rl_trainer --ckpt HF_DIR --tp T --endpoint tcp://HOST:PORT (--store SPEC |
+--relay tcp://ROOT:PORT)``.
 
 Every rank loads the HF checkpoint into a GPTModel through the bridge (`trainer.py`), attaches
 the DCR owner hook (mode X, no optimizer wrapping: the coordinator decides when to build), and
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckpt", required=True, help="HF checkpoint directory (the v0 policy)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--endpoint", required=True, help="ZeroMQ address rank 0 binds")
-    ap.add_argument("--store", required=True, help="store spec (JSON) the payloads go to")
+    ap.add_argument("--store", default="", help="store spec (JSON) the payloads go to")
+    ap.add_argument("--relay", default="", help="relay-tree root address the payloads go to")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
     args = ap.parse_args(argv)
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         "export": export,
         "inject": inject,
     }
-    OwnerService(hook, open_store(args.store), args.endpoint, handlers).serve()
+    if bool(args.store) == bool(args.relay):
+        raise SystemExit("rl_trainer: give exactly one of --store SPEC and --relay ADDRESS")
+    store = open_store(args.store) if args.store else None
+    OwnerService(hook, store, args.endpoint, handlers, relay=args.relay or None).serve()
     dist.destroy_process_group()
 
 

@@ -54,18 +54,39 @@ def _broadcast_json(obj: Any) -> Any:
     return json.loads(bytes(data.numpy()).decode())
 
 
+def _gather_json(obj: Any) -> list[Any]:
+    """Every rank's JSON-able `obj`, in rank order, on every rank (no pickle)."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = int(max(int(x[0]) for x in sizes))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(out, padded)
+    return [json.loads(bytes(t[: int(k[0])].numpy()).decode()) for t, k in zip(out, sizes)]
+
+
 class OwnerService:
     """Serves coordinator requests for one trainer job (every rank constructs one)."""
 
     def __init__(
         self,
         hook: DCRHook,
-        store: ObjectStore,
+        store: ObjectStore | None,
         endpoint: str,
         handlers: dict[str, Handler] | None = None,
+        relay: str | None = None,
+        relay_timeout_s: float = 60.0,
     ) -> None:
+        if (store is None) == (relay is None):
+            raise ValueError("OwnerService needs exactly one transport: a store or a relay root")
         self.hook = hook
         self.store = store
+        self.relay = relay
+        self.relay_timeout_s = relay_timeout_s
+        self._sender: Any = None
         self.endpoint = endpoint
         self.handlers = dict(handlers or {})
         self.rank = dist.get_rank()
@@ -73,6 +94,9 @@ class OwnerService:
 
     # -- ops (every rank) ----------------------------------------------------------------------
     def _build(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self.relay is not None:
+            return self._build_relay(req)
+        assert self.store is not None
         version, attempt = int(req["version"]), int(req["attempt"])
         retry = bool(req.get("retry", False))
         base = self.hook.committed_version
@@ -106,6 +130,59 @@ class OwnerService:
             "payload_bytes": int(total[0]),
             "payloads": int(total[1]),
             "build_s": float(slowest[2]),
+            "element_change_rate": rep.element_change_rate,
+        }
+
+    def _build_relay(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Every rank streams its payloads to the relay root while constructing; rank 0 then
+        sends the attempt's manifest (every rank's payload ids) and waits for the tree's
+        completion acknowledgement (every node holds every payload, or the failed nodes)."""
+        from shared_codec.format import peek_header
+        from shared_codec.transport.relay import RelaySender
+
+        version, attempt = int(req["version"]), int(req["attempt"])
+        retry = bool(req.get("retry", False))
+        base = self.hook.committed_version
+        if self._sender is None:
+            self._sender = RelaySender(str(self.relay), ack_timeout_s=self.relay_timeout_s)
+        ids: list[str] = []
+        sent = [0]
+
+        def send(payload: bytes) -> None:
+            self._sender.send(payload)
+            ids.append(peek_header(payload, verify=False).payload_id_hex)
+            sent[0] += len(payload)
+
+        error = ""
+        try:
+            rep = self.hook.build(version, attempt, retry=retry, sink=send)
+            self._sender.flush()
+        except Exception as e:  # reported after the collectives below, never between them
+            error, rep = f"{type(e).__name__}: {e}", None
+        per_rank = _gather_json({"ids": ids, "error": error, "seconds": rep.seconds if rep else 0})
+        errors = [r["error"] for r in per_rank if r["error"]]
+        ack_error = ""
+        if self.rank == 0 and not errors:
+            try:
+                self._sender.complete(
+                    attempt, [i for r in per_rank for i in r["ids"]], self.relay_timeout_s
+                )
+            except Exception as e:
+                ack_error = f"{type(e).__name__}: {e}"
+        ack_error = _broadcast_json(ack_error)
+        if errors or ack_error:
+            raise RuntimeError("; ".join(errors) or ack_error)
+        assert rep is not None
+        total = torch.tensor([float(sent[0])], dtype=torch.float64)
+        dist.all_reduce(total)
+        return {
+            "baseline_id": f"owners-v{base}",
+            "version": version,
+            "attempt": attempt,
+            "retry": retry,
+            "payload_bytes": int(total[0]),
+            "payloads": sum(len(r["ids"]) for r in per_rank),
+            "build_s": max(float(r["seconds"]) for r in per_rank),
             "element_change_rate": rep.element_change_rate,
         }
 

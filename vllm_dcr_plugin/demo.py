@@ -4,7 +4,7 @@ On one machine, with embedded defaults: the tiny Qwen3 fixture; a trainer job of
 ranks (TP=2, gloo) serving the DCR owner service (`megatron_dcr_hooks.rl_trainer`); a rollout
 engine (``vllm serve`` with the DCR worker extension) and a reference engine that is
 dense-loaded with the trainer's export after every step; a store for payloads, manifests, attempt
-and commit records (a local directory, or S3: a given endpoint or a local ``moto_server``).
+and commit records (see Transports below).
 
 Each step: the rollout engine samples completions of fixed prompts (seeded per request); the
 reward is the share of even token ids in a completion (something a policy can learn quickly);
@@ -20,9 +20,14 @@ Writes ``OUT/report.json`` (every step: rewards, element change rate, payload by
 checkpoint, construction / transport+apply / commit seconds, attempts, bit_exact), ``report.png``
 (refit timeline per stage and bytes per step) and ``report.html`` embedding it.
 
+Transports: ``relay`` (default): trainer ranks stream payloads to the root of a ZeroMQ relay tree
+(root -> node ``rollout0``); the node spools them on local disk and, once the tree acknowledged
+the attempt complete, the engine's workers read them from there (``dcr_fetch`` with a spool
+spec); ``dir``: a local directory store; ``s3``: S3 (a local ``moto_server`` without
+``--endpoint``).
+
 Limitations:
-1. Transports: ``dir`` and ``s3``; the relay tree delivers to in-process engines
-   (`relay_stage.py`), not yet to ``vllm serve`` engines, so it is not a demo option yet.
+1. One rollout engine and one tree node (plus the root); the reference engine is dense-loaded.
 2. ``--refit dense`` reuses the reference engine's digest check (it is trivially exact).
 """
 
@@ -162,6 +167,35 @@ class Demo:
         )
         return {"kind": "s3", "bucket": a.bucket, "endpoint_url": endpoint, "prefix": "demo"}
 
+    def _start_relay_tree(self) -> str:
+        """A root relay node (the rollout cluster's entry) and one child node on the rollout
+        engine's host that spools payloads for it; returns the root's address."""
+        child_addr = f"tcp://127.0.0.1:{_free_port()}"
+        root_addr = f"tcp://127.0.0.1:{_free_port()}"
+        nodes = [
+            ("rollout0", child_addr, []),
+            ("root", root_addr, [["rollout0", child_addr, None]]),
+        ]
+        for name, addr, children in nodes:
+            cfg = {
+                "name": name,
+                "bind": addr,
+                "children": children,
+                "deliver_dir": str(self.work / f"spool-{name}"),
+                "child_timeout_s": 30.0,
+            }
+            log = open(self.work / f"relay-{name}.log", "wb")  # noqa: SIM115
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "shared_codec.transport.relay", json.dumps(cfg)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        self.log(f"started a relay tree: root {root_addr} -> rollout0 {child_addr}")
+        return root_addr
+
     def start(self) -> None:
         from shared_codec.tiny_models import write_tiny_model
 
@@ -169,9 +203,18 @@ class Demo:
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
         model = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
-        self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
+        if self.args.transport == "relay":
+            # the control records live in a local directory; payloads travel over the tree:
+            # trainer ranks -> root -> node "rollout0", which spools them for its engine
+            self.store = open_store({"kind": "dir", "root": str(self.work / "control")})
+            root = self._start_relay_tree()
+            self.spec = {"kind": "spool", "root": str(self.work / "spool-rollout0")}
+            transport_args = ["--relay", root]
+        else:
+            self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
+            self.store = open_store(self.spec)
+            transport_args = ["--store", json.dumps(self.spec)]
         env = _env()
-        self.store = open_store(self.spec)
         endpoint = f"tcp://127.0.0.1:{_free_port()}"
         self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
         trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115
@@ -195,8 +238,7 @@ class Demo:
                     "2",
                     "--endpoint",
                     endpoint,
-                    "--store",
-                    json.dumps(self.spec),
+                    *transport_args,
                     "--lr",
                     str(self.args.lr),
                 ],
@@ -420,7 +462,12 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap = ap or argparse.ArgumentParser(prog="dcr demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
     ap.add_argument("--out", default="out/demo", help="report directory (default out/demo)")
-    ap.add_argument("--transport", choices=["dir", "s3"], default="dir")
+    ap.add_argument(
+        "--transport",
+        choices=["relay", "dir", "s3"],
+        default="relay",
+        help="relay: a ZeroMQ relay tree (default); dir: a local directory store; s3: S3",
+    )
     ap.add_argument("--endpoint", default="", help="S3 endpoint URL (default: a local moto)")
     ap.add_argument("--bucket", default="dcr-demo")
     ap.add_argument("--refit", choices=["dcr", "dense"], default="dcr")

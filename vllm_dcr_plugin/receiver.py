@@ -18,10 +18,11 @@ Limitations:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -226,17 +227,26 @@ class Receiver:
         kill_after_payloads: int | None = None,
     ) -> dict[str, Any]:
         """Fetch every payload of the attempt's manifest from an object store (see
-        `shared_codec.transport.store.open_store` for the spec) and stage it. Returns counts and
+        `shared_codec.transport.store.open_store` for the spec), or read them from a relay node's
+        spool directory (``{"kind": "spool", "root": DIR}``, after the tree acknowledged the
+        attempt complete), and stage them. Returns counts and
         the staging results; a rejected payload fails the fetch (nothing of it is applied).
         `kill_after_payloads` SIGKILLs this process after staging that many (recovery tests)."""
         from shared_codec.transport.objects import ObjectFetcher
+        from shared_codec.transport.relay import read_spool
         from shared_codec.transport.store import open_store
 
         self._require_prewarm()
         t0 = time.perf_counter()
-        fetcher = ObjectFetcher(open_store(store_spec), key=self.staging.key)
+        spec = json.loads(store_spec) if isinstance(store_spec, str) else dict(store_spec)
+        source: Iterable[bytes]
+        if spec.get("kind") == "spool":  # payloads a relay-tree node wrote to local disk
+            source = read_spool(str(spec["root"]), int(version), int(attempt))
+        else:
+            fetcher = ObjectFetcher(open_store(spec), key=self.staging.key)
+            source = fetcher.fetch(int(version), int(attempt), float(timeout_s))
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
-        for payload in fetcher.fetch(int(version), int(attempt), float(timeout_s)):
+        for payload in source:
             if kill_after_payloads is not None and out["payloads"] >= kill_after_payloads:
                 os.kill(os.getpid(), signal.SIGKILL)
             res = self.stage([payload])

@@ -402,6 +402,25 @@ class RelaySender:
         self.ctx.term()
 
 
+def read_spool(directory: str, version: int, attempt: int) -> list[bytes]:
+    """The payloads of (`version`, `attempt`) that a relay node process spooled into
+    `directory` (its ``deliver_dir``), in (owner, sequence) order. Call it after the tree's
+    completion acknowledgement for the attempt: then every listed payload is there. Headers are
+    checked here only for routing; receivers validate payloads fully when staging."""
+    from pathlib import Path
+
+    found = []
+    for f in sorted(Path(directory).glob("*.bin")):
+        data = f.read_bytes()
+        try:
+            m = peek_header(data, verify=False).meta
+        except Exception as e:  # a spool only holds what the node validated; report, skip none
+            raise TransportError(f"spooled payload {f.name} is unreadable: {e}") from None
+        if (m.version, m.attempt) == (version, attempt):
+            found.append(((m.owner, m.sequence), data))
+    return [data for _, data in sorted(found, key=lambda x: x[0])]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one relay node process: ``python -m shared_codec.transport.relay CONFIG_JSON``.
 

@@ -18,7 +18,7 @@ import pytest
 from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.format import PayloadMeta, peek_header
 from shared_codec.records import Kind, make_item
-from shared_codec.transport.relay import CurveKeys, RelaySender, tree_children
+from shared_codec.transport.relay import CurveKeys, RelaySender, read_spool, tree_children
 from shared_codec.transport.store import TransportError
 from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
 
@@ -122,6 +122,13 @@ def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
             assert sorted(got) == sorted(ids)  # exactly once each
             for pid in got:
                 assert (tree.dirs[i] / f"{pid}.bin").read_bytes() == everything[pid]
+        # a node's spool, read the way engines read it (dcr_fetch with a spool spec): every
+        # payload of (version 1, attempt 0) in (owner, sequence) order, nothing of other attempts
+        in_order = [p for o in sorted(owners) for p in owners[o]]
+        assert read_spool(str(tree.dirs[3]), 1, 0) == in_order
+        assert (
+            read_spool(str(tree.dirs[3]), 1, 1) == [] and read_spool(str(tree.dirs[3]), 2, 0) == []
+        )
         # V_cross: the payload bytes that crossed into the rollout cluster (sent to the root)
         assert sum(s.bytes_sent for s in senders) == sum(len(p) for p in everything.values()) + len(
             owners[0][0]
