@@ -349,9 +349,12 @@ class Demo:
         self.start()
         rows = []
         header = (
-            f"{'step':>4} {'reward':>7} {'changed':>8} {'payload':>10} {'% ckpt':>7} "
-            f"{'build s':>8} {'fetch+apply s':>13} {'commit s':>8} {'tries':>5} {'exact':>5}"
+            f"{'step':>4} {'reward':>7} {'changed':>8} {'payload':>8} {'% ckpt':>7} "
+            f"{'construct':>9} {'transport':>9} {'apply':>6} {'commit':>6} {'tries':>5} "
+            f"{'exact':>5}"
         )
+        print("(seconds per stage: construction on the trainer, transport = upload/tree tail + "
+              "fetch/stage on the engine)", flush=True)  # fmt: skip
         print(header, flush=True)
         for step in range(1, a.steps + 1):
             row = self.step(step)
@@ -359,9 +362,10 @@ class Demo:
             print(
                 f"{step:4d} {row['reward_mean']:7.3f} "
                 f"{100 * row.get('element_change_rate', 0.0):7.2f}% "
-                f"{row.get('payload_bytes', 0):10d} {row['payload_pct']:6.2f}% "
-                f"{row.get('publish_s', 0.0) + row.get('construct_s', 0.0):8.2f} "
-                f"{row.get('transport_apply_s', 0.0):13.2f} {row.get('commit_s', 0.0):8.2f} "
+                f"{row.get('payload_bytes', 0):8d} {row['payload_pct']:6.2f}% "
+                f"{row.get('construct_s', 0.0):9.2f} "
+                f"{row.get('publish_s', 0.0) + row.get('fetch_s', 0.0):9.2f} "
+                f"{row.get('apply_s', 0.0):6.2f} {row.get('commit_s', 0.0):6.2f} "
                 f"{row['attempts']:5d} {'yes' if row['bit_exact'] else 'NO':>5}",
                 flush=True,
             )

