@@ -85,29 +85,12 @@ def cmd_bench_refit(args: argparse.Namespace) -> int:
 
 def cmd_bench_construct(args: argparse.Namespace) -> int:
     # a 2-rank gloo job: megatron runs in its own processes, never in this one
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(port),
-        "-m",
-        "megatron_dcr_hooks.bench_construct",
-        "--size",
-        args.size,
-    ]
-    if args.json:
-        cmd += ["--json", args.json]
+    from shared_codec.control import torchrun_cmd
+
+    extra = ["--json", args.json] if args.json else []
+    cmd = torchrun_cmd("megatron_dcr_hooks.bench_construct", ["--size", args.size, *extra])
     return subprocess.call(cmd)
 
 

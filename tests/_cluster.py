@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners
+from shared_codec.control import RemoteOwners, torchrun_cmd
 from shared_codec.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.transport.store import DirectoryStore
-from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
+from tests._procs import REPO, base_env, free_port, kill_group
 from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
 
 
@@ -34,27 +34,11 @@ class Cluster:
 
     def start(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            "-m",
+        cmd = torchrun_cmd(
             "megatron_dcr_hooks.rl_trainer",
-            "--ckpt",
-            str(self.ckpt),
-            "--tp",
-            "2",
-            "--endpoint",
-            endpoint,
-            "--store",
-            json.dumps(self.store_spec),
-        ]
+            ["--ckpt", str(self.ckpt), "--tp", "2", "--endpoint", endpoint,
+             "--store", json.dumps(self.store_spec)],
+        )  # fmt: skip
         self.trainer_log = open(self.tmp / "trainer.log", "w")  # noqa: SIM115
         self.trainer = subprocess.Popen(
             cmd,

@@ -35,14 +35,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners
+from shared_codec.control import RemoteOwners, torchrun_cmd
 from shared_codec.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.transport.store import DirectoryStore, ThrottledStore
 from vllm_dcr_plugin.bench_apply import MEDIUM, SMALL
@@ -73,29 +72,21 @@ def run(
         trainer_log = open(work / "trainer.log", "wb")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc_per_node",
-                    "2",
-                    "--master_addr",
-                    "127.0.0.1",
-                    "--master_port",
-                    str(_free_port()),
-                    "-m",
+                torchrun_cmd(
                     "megatron_dcr_hooks.rl_trainer",
-                    "--ckpt",
-                    str(model),
-                    "--tp",
-                    "2",
-                    "--endpoint",
-                    endpoint,
-                    "--store",
-                    json.dumps(spec),
-                    "--bucket-bytes",
-                    str(8 << 20),
-                ],
+                    [
+                        "--ckpt",
+                        str(model),
+                        "--tp",
+                        "2",
+                        "--endpoint",
+                        endpoint,
+                        "--store",
+                        json.dumps(spec),
+                        "--bucket-bytes",
+                        str(8 << 20),
+                    ],
+                ),  # fmt: skip
                 stdout=trainer_log,
                 stderr=subprocess.STDOUT,
                 env={**env, "OMP_NUM_THREADS": "1"},

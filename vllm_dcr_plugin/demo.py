@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners
+from shared_codec.control import RemoteOwners, torchrun_cmd
 from shared_codec.coordinator import Coordinator, CoordinatorConfig, RefitFailed
 from shared_codec.errors import DCRError
 from shared_codec.transport.store import open_store
@@ -220,28 +220,20 @@ class Demo:
         trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115
         self.procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc_per_node",
-                    "2",
-                    "--master_addr",
-                    "127.0.0.1",
-                    "--master_port",
-                    str(_free_port()),
-                    "-m",
+                torchrun_cmd(
                     "megatron_dcr_hooks.rl_trainer",
-                    "--ckpt",
-                    str(model),
-                    "--tp",
-                    "2",
-                    "--endpoint",
-                    endpoint,
-                    *transport_args,
-                    "--lr",
-                    str(self.args.lr),
-                ],
+                    [
+                        "--ckpt",
+                        str(model),
+                        "--tp",
+                        "2",
+                        "--endpoint",
+                        endpoint,
+                        *transport_args,
+                        "--lr",
+                        str(self.args.lr),
+                    ],
+                ),  # fmt: skip
                 stdout=trainer_log,
                 stderr=subprocess.STDOUT,
                 env={**env, "OMP_NUM_THREADS": "1"},
