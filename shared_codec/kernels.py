@@ -2,8 +2,9 @@
 (owners) and sparse XOR / overwrite scatters (receivers).
 
 - `changed_indices(cur, base)`: sorted flat indices where the stored bits differ. 16-bit
-  tensors (BF16/FP16, the weights) are scanned as 64-bit words: one compare per four elements,
-  and only words that differ are split into lanes, branch-free. Measured on the project's CPUs at
+  tensors (BF16/FP16, the weights) are scanned as 64-bit words (four elements) in blocks of 64
+  words: a vectorised pass builds the block's bitmap of differing words, a count-trailing-zeros
+  loop visits only those, and each is split into lanes branch-free. Measured on the project's CPUs at
   2-3x the speed of ``np.flatnonzero(cur != base)`` (the compare + nonzero pair reads its bool
   temporary a second time and mispredicts on every change); see ``dcr bench construct``.
 - `xor_scatter(arr, idx, vals)` / `set_scatter(arr, idx, vals)`: ``arr[idx] ^= vals`` and
@@ -23,6 +24,7 @@ Limitations:
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from typing import Any
 
@@ -34,28 +36,47 @@ _CHUNK = 1 << 22  # elements per scan call: bounds the index buffer to 32 MiB
 @cache
 def _jit() -> Any:
     import numba
+    from numba.cpython.unsafe.numbers import trailing_zeros
 
     opts = {"nogil": True, "cache": True, "boundscheck": False}
 
     @numba.njit(**opts)
-    def words_changed(a64, b64, first, out):  # pragma: no cover - compiled
-        k = 0
+    def expand(x, base, out, k):  # pragma: no cover - compiled
+        # the changed lanes of one differing word, branch-free: always store, advance on change
         f = np.uint64(0xFFFF)
         s16 = np.uint64(16)
-        s32 = np.uint64(32)
-        s48 = np.uint64(48)
-        for w in range(a64.shape[0]):
+        out[k] = base
+        k += np.int64(((x & f) + f) >> s16)
+        out[k] = base + 1
+        k += np.int64((((x >> s16) & f) + f) >> s16)
+        out[k] = base + 2
+        k += np.int64((((x >> np.uint64(32)) & f) + f) >> s16)
+        out[k] = base + 3
+        k += np.int64(((x >> np.uint64(48)) + f) >> s16)
+        return k
+
+    @numba.njit(**opts)
+    def words_changed(a64, b64, first, out):  # pragma: no cover - compiled
+        # Blocks of 64 words: a branch-free (vectorised) pass builds a bitmap of the words that
+        # differ, then only its set bits are visited (count-trailing-zeros loop). One
+        # hard-to-predict branch per block instead of one per changed word.
+        k = 0
+        one = np.uint64(1)
+        n = a64.shape[0]
+        nb = n // 64
+        for blk in range(nb):
+            s = blk * 64
+            m = np.uint64(0)
+            for i in range(64):
+                m |= np.uint64((a64[s + i] ^ b64[s + i]) != 0) << np.uint64(i)
+            while m != 0:
+                w = s + trailing_zeros(m)
+                m &= m - one
+                k = expand(a64[w] ^ b64[w], first + 4 * w, out, k)
+        for w in range(nb * 64, n):
             x = a64[w] ^ b64[w]
-            if x != 0:  # ~ the share of changed words; inside, lanes are branch-free
-                base = first + 4 * w
-                out[k] = base
-                k += np.int64(((x & f) + f) >> s16)
-                out[k] = base + 1
-                k += np.int64((((x >> s16) & f) + f) >> s16)
-                out[k] = base + 2
-                k += np.int64((((x >> s32) & f) + f) >> s16)
-                out[k] = base + 3
-                k += np.int64(((x >> s48) + f) >> s16)
+            if x != 0:
+                k = expand(x, first + 4 * w, out, k)
         return k
 
     @numba.njit(**opts)
@@ -79,6 +100,17 @@ def _check_same(cur: np.ndarray, base: np.ndarray) -> None:
         )
 
 
+_local = threading.local()
+
+
+def _index_buffer(size: int) -> np.ndarray:
+    # one reused buffer per thread: a fresh 32 MiB allocation per tensor costs page faults
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _local.buf = np.empty(max(size, 1 << 16), dtype=np.int64)
+    return buf
+
+
 def changed_indices(cur: np.ndarray, base: np.ndarray) -> np.ndarray:
     """Sorted flat indices (int64) where the stored bits of `cur` and `base` differ."""
     _check_same(cur, base)
@@ -89,7 +121,7 @@ def changed_indices(cur: np.ndarray, base: np.ndarray) -> np.ndarray:
     a = cur.view(np.uint16)
     b = base.view(np.uint16)
     main = n - n % 4
-    out = np.empty(min(main, _CHUNK) + 4, dtype=np.int64)
+    out = _index_buffer(min(main, _CHUNK) + 4)
     parts: list[np.ndarray] = []
     for start in range(0, main, _CHUNK):
         stop = min(main, start + _CHUNK)

@@ -22,8 +22,9 @@ def test_changed_indices_matches_numpy(n: int, rate: float) -> None:
 
 
 def test_changed_indices_every_lane_and_word_edge() -> None:
-    base = np.zeros(4 * 9 + 3, dtype=np.uint16)
-    for i in range(base.size):  # one changed element at each position in turn, incl. the tail
+    # two full 64-word blocks (the bitmap pass), 5 words after them, a 3-element tail
+    base = np.zeros(4 * (2 * 64 + 5) + 3, dtype=np.uint16)
+    for i in range(base.size):  # one changed element at each position in turn
         cur = base.copy()
         cur[i] = 0x8000 if i % 2 else 1  # sign bit and lowest bit
         np.testing.assert_array_equal(kernels.changed_indices(cur, base), [i])
