@@ -6,13 +6,19 @@ Key layout (under the store's prefix), per transition version and attempt:
     v<version:012>/a<attempt:06>/o<owner:05>/s<sequence:06>-<payload id>.dcrp   payloads
     v<version:012>/a<attempt:06>/owners/o<owner:05>.json                      owner lists
     v<version:012>/a<attempt:06>/manifest.json                                  written last
+    v<version:012>/a<attempt:06>/abandoned.json       coordinator: no manifest will come
 
 Call order: each owner ``pub = ObjectPublisher(store, version=, attempt=, owner=)``,
 ``pub.send(payload)`` per payload (uploads run concurrently, bounded), ``pub.finish()`` (waits
 for the uploads, then writes its owner list). The coordinator then calls `write_manifest` with
 the owners it expects (create-only: a manifest is never replaced). Rollout nodes call
 ``ObjectFetcher(store).fetch(version, attempt)``, which waits for the manifest, reads the owner
-lists and yields each listed payload after checking its size and payload id.
+lists and yields each listed payload after checking its size and payload id. Pipelined rollout
+nodes call ``ObjectFetcher(store).stream(version, attempt)`` instead: it yields payloads as
+their objects appear, before the manifest exists (so a receiver can stage and apply payload l
+while l + 1 is still being built or uploaded), and checks the set against the manifest once it
+is written. A coordinator whose owners failed writes the attempt's ``abandoned.json``
+(`abandon_attempt`) so that waiting fetchers stop at once instead of at their timeout.
 
 Cleanup policy: objects of attempts of versions older than the committed version are garbage;
 `cleanup(store, committed_version, keep=1)` deletes every attempt of versions below
@@ -128,6 +134,15 @@ def write_manifest(
     return manifest
 
 
+def abandon_attempt(store: ObjectStore, *, version: int, attempt: int, reason: str) -> None:
+    """Tell every fetcher of the attempt that no manifest will come (the coordinator, when the
+    owners' build failed). Fetchers raise TransportError naming `reason`."""
+    store.put_if_absent(
+        f"{attempt_prefix(version, attempt)}abandoned.json",
+        json.dumps({"version": version, "attempt": attempt, "reason": reason}).encode(),
+    )
+
+
 class ObjectFetcher:
     """A rollout node's reader: every payload of an attempt, exactly once, verified."""
 
@@ -136,49 +151,119 @@ class ObjectFetcher:
         self.key = key
         self.bytes_fetched = 0
 
+    def _try_manifest(self, version: int, attempt: int) -> dict | None:
+        """The manifest if written; raises TransportError if the attempt was abandoned."""
+        prefix = attempt_prefix(version, attempt)
+        try:
+            return json.loads(self.store.get(f"{prefix}manifest.json"))
+        except KeyError:
+            pass
+        try:
+            why = json.loads(self.store.get(f"{prefix}abandoned.json")).get("reason", "")
+        except KeyError:
+            return None
+        raise TransportError(
+            f"version {version} attempt {attempt} was abandoned by the coordinator: {why}"
+        )
+
     def manifest(self, version: int, attempt: int, timeout_s: float = 60.0) -> dict:
         """Wait (polling with backoff) for the attempt's manifest."""
-        key = f"{attempt_prefix(version, attempt)}manifest.json"
         deadline, delay = time.monotonic() + timeout_s, 0.02
         while True:
-            try:
-                return json.loads(self.store.get(key))
-            except KeyError:
-                if time.monotonic() > deadline:
-                    raise TransportError(
-                        f"no manifest for version {version} attempt {attempt} after "
-                        f"{timeout_s:.0f}s ({key}): owners or the coordinator did not finish"
-                    ) from None
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
+            m = self._try_manifest(version, attempt)
+            if m is not None:
+                return m
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"no manifest for version {version} attempt {attempt} after "
+                    f"{timeout_s:.0f}s ({attempt_prefix(version, attempt)}manifest.json): "
+                    "owners or the coordinator did not finish"
+                )
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
 
-    def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:
-        """Yield every payload listed by the manifest, in (owner, sequence) order."""
-        m = self.manifest(version, attempt, timeout_s)
+    def _get_checked(self, key: str, size: int | None, payload_id: str | None) -> bytes:
+        try:
+            data = self.store.get(key)
+        except KeyError:
+            raise TransportError(f"payload {key} listed in the manifest is missing") from None
+        if size is not None and len(data) != size:
+            raise TransportError(f"payload {key}: {len(data)} bytes, listed {size}")
+        try:
+            h = peek_header(data, key=self.key)
+        except PayloadError as err:
+            raise TransportError(f"payload {key}: {err}") from None
+        if payload_id is not None and h.payload_id_hex != payload_id:
+            raise TransportError(f"payload {key}: id does not match the listing")
+        self.bytes_fetched += len(data)
+        return data
+
+    def _listed(self, version: int, attempt: int, m: dict) -> list[dict]:
         prefix = attempt_prefix(version, attempt)
+        entries: list[dict] = []
         for owner in m["owners"]:
             listing = json.loads(self.store.get(f"{prefix}owners/o{owner:05d}.json"))
             if len(listing["payloads"]) != m["payload_counts"][str(owner)]:
                 raise TransportError(f"owner {owner} list disagrees with the manifest")
-            for e in listing["payloads"]:
-                try:
-                    data = self.store.get(e["key"])
-                except KeyError:
-                    raise TransportError(
-                        f"payload {e['key']} listed in the manifest is missing"
-                    ) from None
-                if len(data) != e["size"]:
-                    raise TransportError(
-                        f"payload {e['key']}: {len(data)} bytes, listed {e['size']}"
-                    )
-                try:
-                    h = peek_header(data, key=self.key)
-                except PayloadError as err:
-                    raise TransportError(f"payload {e['key']}: {err}") from None
-                if h.payload_id_hex != e["payload_id"]:
-                    raise TransportError(f"payload {e['key']}: id does not match the listing")
-                self.bytes_fetched += len(data)
+            entries.extend(listing["payloads"])
+        return entries
+
+    def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:
+        """Yield every payload listed by the manifest, in (owner, sequence) order."""
+        m = self.manifest(version, attempt, timeout_s)
+        for e in self._listed(version, attempt, m):
+            yield self._get_checked(e["key"], e["size"], e["payload_id"])
+
+    def stream(
+        self, version: int, attempt: int, timeout_s: float = 60.0, poll_s: float = 0.01
+    ) -> Iterator[bytes]:
+        """Yield each payload of the attempt as soon as its object exists (listing the attempt's
+        prefix every `poll_s`, backing off to 0.05 s while nothing new appears), then, once the
+        manifest is written, the listed payloads not yet yielded. Raises TransportError when a
+        yielded object is not listed by the manifest (the caller fails the attempt), when a
+        listed payload is missing or differs, when the attempt is abandoned, or at `timeout_s`
+        without a manifest. Objects are only ever seen whole (stores publish atomically)."""
+        prefix = attempt_prefix(version, attempt)
+        seen: dict[str, str] = {}  # key -> payload id (hex)
+        deadline, delay = time.monotonic() + timeout_s, poll_s
+        while True:
+            m = self._try_manifest(version, attempt)
+            fresh = sorted(
+                k
+                for k in self.store.list(f"{prefix}o")
+                if k.endswith(".dcrp") and k not in seen and not k.startswith(f"{prefix}owners/")
+            )
+            for k in fresh:
+                data = self._get_checked(k, None, None)
+                seen[k] = peek_header(data, verify=False).payload_id_hex
                 yield data
+            if m is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"no manifest for version {version} attempt {attempt} after "
+                    f"{timeout_s:.0f}s ({prefix}manifest.json): owners or the coordinator did "
+                    "not finish"
+                )
+            if fresh:
+                delay = poll_s
+            else:
+                time.sleep(delay)
+                delay = min(0.05, delay * 1.5)
+        listed = self._listed(version, attempt, m)
+        keys = {e["key"] for e in listed}
+        stray = sorted(set(seen) - keys)
+        if stray:
+            raise TransportError(
+                f"version {version} attempt {attempt}: {len(stray)} payload object(s) not listed "
+                f"by the manifest (first: {stray[0]})"
+            )
+        for e in listed:
+            if e["key"] in seen:
+                if seen[e["key"]] != e["payload_id"]:
+                    raise TransportError(f"payload {e['key']}: id does not match the listing")
+                continue
+            yield self._get_checked(e["key"], e["size"], e["payload_id"])
 
 
 def cleanup(store: ObjectStore, committed_version: int, keep: int = 1) -> int:

@@ -7,12 +7,21 @@ frame (sent and received without copies). Two message types:
 - ``payload`` {attempt, version, payload_id}: the node validates the frame against the header
   (payload id, sizes; no decoding), suppresses duplicates by payload id, queues it for its local
   receivers (``deliver``) and for every child, and answers a *queueing acknowledgement* at once.
-- ``manifest`` {attempt, payload_ids}: the node forwards it to its children and answers a
+- ``manifest`` {attempt, version, payload_ids}: the node forwards it to its children, tells its
+  local receivers once every listed payload was delivered locally (``on_manifest``), and answers a
   *completion acknowledgement* once every listed payload was delivered locally and every child
   acknowledged the manifest for its subtree, or once its deadline passed. A child that does not
   answer in time, or a missing payload, makes the acknowledgement ``complete: false`` with the
   node named in ``failed``; the acknowledgements aggregate up to the root, so the coordinator
   sees a dead or slow node anywhere in the tree as a failed attempt naming it.
+- ``abandon`` {version, attempt, reason}: the coordinator gave the attempt up (its owners
+  failed); every node forwards it and tells its local receivers (``on_abandon``), so engines
+  that stream the attempt stop waiting.
+
+A node process (`main`) spools payloads into its ``deliver_dir`` as they arrive, and the
+manifest / abandon notices as ``manifest-v<version>-a<attempt>.json`` /
+``abandoned-v<version>-a<attempt>.json``; engines read the spool either after the tree's
+completion (`read_spool`) or while payloads still arrive (`stream_spool`, pipelined).
 
 Back-pressure: socket high-water marks bound queued messages, and `RelaySender` keeps at most
 `window` unacknowledged payloads in flight. V_cross accounting: the root counts the payload bytes
@@ -34,7 +43,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +97,9 @@ class _Pending:
     reply_to: bytes
     ids: set[str]
     deadline: float
+    header: dict = field(default_factory=dict)
     child_acks: dict[str, dict | None] = field(default_factory=dict)
+    local_done: bool = False  # on_manifest called
 
 
 class RelayNode:
@@ -104,8 +115,15 @@ class RelayNode:
         keys: CurveKeys | None = None,
         hwm: int = 64,
         child_timeout_s: float = 10.0,
+        on_manifest: Callable[[dict], None] | None = None,
+        on_abandon: Callable[[dict], None] | None = None,
     ) -> None:
+        """`deliver(payload)`: hand a payload to this node's receivers; `on_manifest(header)`:
+        every payload the manifest lists was delivered here; `on_abandon(header)`: the attempt
+        was abandoned. All three run on the node's thread, in arrival order."""
         self.name = name
+        self.on_manifest = on_manifest or (lambda h: None)
+        self.on_abandon = on_abandon or (lambda h: None)
         self.bind = bind
         self.children = list(children)  # (name, address, server public key)
         self.deliver = deliver or (lambda p: None)
@@ -174,6 +192,7 @@ class RelayNode:
                             ident,
                             set(header["payload_ids"]),
                             time.monotonic() + float(header.get("timeout_s", 30)),
+                            header,
                         )
                         for name, s in kids.items():
                             if name in failed_children:
@@ -189,6 +208,15 @@ class RelayNode:
                                 failed_children.add(name)
                                 p.child_acks[name] = {"complete": False, "failed": [name]}
                         pending[attempt] = p
+                    elif header["type"] == "abandon":
+                        for s in kids.values():  # best effort: a dead child is failed anyway
+                            try:
+                                s.send_multipart([json.dumps(header).encode()], flags=zmq.NOBLOCK)
+                            except zmq.Again:
+                                pass
+                        self.on_abandon(header)
+                        reply = {"type": "abandon_ack", "attempt": header["attempt"]}
+                        server.send_multipart([ident, json.dumps(reply).encode()])
                     elif header["type"] == "forget":
                         self.forget(int(header["attempt"]))
                         server.send_multipart([ident, b'{"ok": true}'])
@@ -197,6 +225,8 @@ class RelayNode:
                         reply = json.loads(s.recv())
                         if reply.get("type") == "payload_ack":
                             outstanding[name].pop(reply["payload_id"], None)
+                        elif reply.get("type") == "abandon_ack":
+                            pass
                         elif reply.get("type") == "manifest_ack":
                             p2 = pending.get(int(reply["attempt"]))
                             if p2 is not None:
@@ -274,6 +304,9 @@ class RelayNode:
     ) -> dict | None:
         have = self.delivered.get(attempt, set())
         missing = p.ids - have
+        if not missing and not p.local_done:
+            p.local_done = True
+            self.on_manifest(p.header)
         for name in failed_children:
             if p.child_acks.get(name) is None:
                 p.child_acks[name] = {"complete": False, "failed": [name]}
@@ -370,22 +403,26 @@ class RelaySender:
         while self.inflight:
             self._take_ack()
 
-    def complete(self, attempt: int, payload_ids: list[str], timeout_s: float = 30.0) -> dict:
+    def complete(
+        self,
+        attempt: int,
+        payload_ids: list[str],
+        timeout_s: float = 30.0,
+        version: int | None = None,
+    ) -> dict:
         """Send the attempt's manifest; returns the tree's completion acknowledgement, or raises
-        TransportError naming the failed nodes."""
+        TransportError naming the failed nodes. `version` lets nodes tell streaming engines
+        (`stream_spool`) that the attempt is complete locally."""
         self.flush()
-        self.sock.send_multipart(
-            [
-                json.dumps(
-                    {
-                        "type": "manifest",
-                        "attempt": attempt,
-                        "payload_ids": payload_ids,
-                        "timeout_s": timeout_s,
-                    }
-                ).encode()
-            ]
-        )
+        header: dict[str, Any] = {
+            "type": "manifest",
+            "attempt": attempt,
+            "payload_ids": payload_ids,
+            "timeout_s": timeout_s,
+        }
+        if version is not None:
+            header["version"] = version
+        self.sock.send_multipart([json.dumps(header).encode()])
         deadline = time.monotonic() + timeout_s + 5
         while True:
             ack = self._recv(max(0.1, deadline - time.monotonic()))
@@ -396,6 +433,17 @@ class RelaySender:
                 f"attempt {attempt} failed in the relay tree: {', '.join(ack['failed'])}"
             )
         return ack
+
+    def abandon(self, version: int, attempt: int, reason: str, timeout_s: float = 10.0) -> None:
+        """Tell the tree that (`version`, `attempt`) was given up (the coordinator, when the
+        owners' build failed); waits for the root's acknowledgement."""
+        header = {"type": "abandon", "version": version, "attempt": attempt, "reason": reason}
+        self.sock.send_multipart([json.dumps(header).encode()])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ack = self._recv(max(0.1, deadline - time.monotonic()))
+            if ack.get("type") == "abandon_ack" and int(ack["attempt"]) == attempt:
+                return
 
     def close(self) -> None:
         self.sock.close(0)
@@ -419,6 +467,74 @@ def read_spool(directory: str, version: int, attempt: int) -> list[bytes]:
         if (m.version, m.attempt) == (version, attempt):
             found.append(((m.owner, m.sequence), data))
     return [data for _, data in sorted(found, key=lambda x: x[0])]
+
+
+# spool directory -> {file name: (version, attempt)}: payload files are immutable (named by
+# payload id), so a process reads each one's header once
+_SPOOL_ROUTES: dict[str, dict[str, tuple[int, int]]] = {}
+
+
+def _marker(kind: str, version: int, attempt: int) -> str:
+    return f"{kind}-v{version:012d}-a{attempt:06d}.json"
+
+
+def stream_spool(
+    directory: str, version: int, attempt: int, timeout_s: float = 60.0, poll_s: float = 0.01
+) -> Iterator[bytes]:
+    """Yield the payloads of (`version`, `attempt`) from a node's spool as they arrive
+    (pipelined engines), until the node's manifest notice says every listed payload is here;
+    raises TransportError when the attempt was abandoned, when the spool holds a payload of the
+    attempt that the manifest does not list, or at `timeout_s` without a manifest notice."""
+    from pathlib import Path
+
+    root = Path(directory)
+    seen: set[str] = set()  # file names looked at in this call
+    known = _SPOOL_ROUTES.setdefault(str(root.resolve()), {})  # earlier calls' files
+    ids: set[str] = set()  # payload ids of this attempt yielded
+    deadline, delay = time.monotonic() + timeout_s, poll_s
+    while True:
+        abandoned = root / _marker("abandoned", version, attempt)
+        if abandoned.exists():
+            why = json.loads(abandoned.read_text()).get("reason", "")
+            raise TransportError(
+                f"version {version} attempt {attempt} was abandoned by the coordinator: {why}"
+            )
+        manifest_file = root / _marker("manifest", version, attempt)
+        manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+        fresh = sorted(f for f in root.glob("*.bin") if f.name not in seen) if root.exists() else []
+        for f in fresh:
+            seen.add(f.name)
+            if f.name in known and known[f.name] != (version, attempt):
+                continue  # another attempt's payload, read by an earlier call
+            data = f.read_bytes()
+            try:
+                h = peek_header(data, verify=False)
+            except Exception as e:
+                raise TransportError(f"spooled payload {f.name} is unreadable: {e}") from None
+            known[f.name] = (h.meta.version, h.meta.attempt)
+            if (h.meta.version, h.meta.attempt) == (version, attempt):
+                ids.add(h.payload_id_hex)
+                yield data
+        if manifest is not None:
+            stray = ids - set(manifest["payload_ids"])
+            if stray:
+                raise TransportError(
+                    f"version {version} attempt {attempt}: {len(stray)} spooled payload(s) not "
+                    f"listed by the manifest (first: {sorted(stray)[0]})"
+                )
+            if set(manifest["payload_ids"]) <= ids:
+                return
+            # the notice is written only after local delivery: a later listing will have them
+        if time.monotonic() > deadline:
+            raise TransportError(
+                f"no manifest notice for version {version} attempt {attempt} in {directory} "
+                f"after {timeout_s:.0f}s: owners, the tree or the coordinator did not finish"
+            )
+        if fresh:
+            delay = poll_s
+        else:
+            time.sleep(delay)
+            delay = min(0.05, delay * 1.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,11 +567,24 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / "delivery.log", "a") as log:
             log.write(pid + "\n")
 
+    def notice(kind: str) -> Callable[[dict], None]:
+        def write(header: dict) -> None:
+            if "version" not in header:  # an old sender: nothing for streaming engines
+                return
+            name = _marker(kind, int(header["version"]), int(header["attempt"]))
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(json.dumps(header))
+            os.replace(tmp, out / name)
+
+        return write
+
     node = RelayNode(
         cfg["name"],
         cfg["bind"],
         children=[(n, a, p.encode() if p else None) for n, a, p in cfg.get("children", [])],
         deliver=deliver,
+        on_manifest=notice("manifest"),
+        on_abandon=notice("abandoned"),
         keys=keys,
         child_timeout_s=float(cfg.get("child_timeout_s", 5.0)),
     )

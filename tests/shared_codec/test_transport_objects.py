@@ -197,3 +197,49 @@ def test_open_store_specs_and_throttle(tmp_path: Path) -> None:
     for bad in ({"kind": "ftp"}, "not json", [1]):
         with pytest.raises(ValueError, match="store spec"):
             open_store(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["dir", "s3"])
+def test_stream_yields_payloads_before_the_manifest(kind, tmp_path, moto_endpoint) -> None:
+    """`ObjectFetcher.stream`: payloads come out as their objects appear (the owner publishes
+    the rest only after the first one was yielded), each exactly once; the manifest is checked
+    at the end (an object it does not list fails the attempt); an abandoned attempt stops the
+    stream with the coordinator's reason."""
+    from shared_codec.transport.objects import abandon_attempt
+
+    store = _stores(kind, tmp_path, moto_endpoint, f"bucket-{kind}-4")
+    mine = {o: _payloads(o, version=5, attempt=0) for o in (0, 1)}
+    payloads = mine[0] + mine[1]
+    pubs = {o: ObjectPublisher(store, version=5, attempt=0, owner=o) for o in (0, 1)}
+    pubs[0].send(payloads[0])
+    pubs[0]._futures[0].result()
+    stream = ObjectFetcher(store).stream(5, 0, timeout_s=10)
+    got = [next(stream)]  # before anything else, let alone the manifest, exists
+    assert got == [payloads[0]]
+    for o in (0, 1):
+        for p in mine[o][1 if o == 0 else 0 :]:
+            pubs[o].send(p)
+    for pub in pubs.values():
+        pub.finish()
+    write_manifest(store, version=5, base_version=4, attempt=0, owners=[0, 1])
+    got.extend(stream)
+    assert sorted(got) == sorted(payloads)  # identical bytes, each exactly once
+
+    # a valid payload of the attempt that no owner list mentions fails the stream
+    pub = ObjectPublisher(store, version=6, attempt=0, owner=0)
+    six = _payloads(0, version=6, attempt=0)
+    for p in six[:-1]:
+        pub.send(p)
+    pub.finish()
+    store.put(f"v000000000006/a000000/o00000/s999998-{'e' * 8}.dcrp", six[-1])
+    write_manifest(store, version=6, base_version=5, attempt=0, owners=[0])
+    with pytest.raises(TransportError, match="not listed by the manifest"):
+        list(ObjectFetcher(store).stream(6, 0, timeout_s=10))
+
+    # abandoned: no manifest will come
+    abandon_attempt(store, version=7, attempt=0, reason="owners failed: rank 1 died")
+    with pytest.raises(TransportError, match="abandoned by the coordinator: owners failed"):
+        list(ObjectFetcher(store).stream(7, 0, timeout_s=10))
+    with pytest.raises(TransportError, match="abandoned"):
+        ObjectFetcher(store).manifest(7, 0, timeout_s=10)

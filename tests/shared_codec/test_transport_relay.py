@@ -18,7 +18,13 @@ import pytest
 from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.format import PayloadMeta, peek_header
 from shared_codec.records import Kind, make_item
-from shared_codec.transport.relay import CurveKeys, RelaySender, read_spool, tree_children
+from shared_codec.transport.relay import (
+    CurveKeys,
+    RelaySender,
+    read_spool,
+    stream_spool,
+    tree_children,
+)
 from shared_codec.transport.store import TransportError
 from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
 
@@ -135,6 +141,36 @@ def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
         )
         for s in senders:
             s.close()
+    finally:
+        tree.stop()
+
+
+@pytest.mark.zmq
+def test_stream_spool_yields_payloads_as_they_arrive_and_stops_on_abandon(tmp_path: Path) -> None:
+    """Pipelined engines read a leaf's spool while the owner is still sending: the first
+    payload comes out before the rest is sent; the stream ends at the node's manifest notice
+    with every payload exactly once; an attempt the coordinator abandons (sent to the root,
+    forwarded down the tree) stops the stream at the leaf with the reason."""
+    tree = Tree(tmp_path)
+    try:
+        payloads = _payloads(0)
+        ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
+        sender = RelaySender(tree.addrs[0], window=4)
+        sender.send(payloads[0])
+        sender.flush()
+        stream = stream_spool(str(tree.dirs[3]), 1, 0, timeout_s=20)
+        got = [next(stream)]  # arrives at the leaf before anything else was sent
+        assert got == payloads[:1]
+        for p in payloads[1:]:
+            sender.send(p)
+        ack = sender.complete(0, ids, timeout_s=20, version=1)
+        assert ack["complete"]
+        got.extend(stream)
+        assert sorted(got) == sorted(payloads) and len(got) == len(payloads)
+        sender.abandon(2, 0, "owners failed: rank 1 died")
+        with pytest.raises(TransportError, match="abandoned by the coordinator: owners failed"):
+            list(stream_spool(str(tree.dirs[3]), 2, 0, timeout_s=20))
+        sender.close()
     finally:
         tree.stop()
 
