@@ -103,11 +103,16 @@ def _check_same(cur: np.ndarray, base: np.ndarray) -> None:
 _local = threading.local()
 
 
-def _index_buffer(size: int) -> np.ndarray:
-    # one reused buffer per thread: a fresh 32 MiB allocation per tensor costs page faults
+def _index_buffer(size: int, keep: int = 0) -> np.ndarray:
+    # one reused buffer per thread (a fresh allocation per tensor costs page faults), grown
+    # when needed with its first `keep` entries preserved
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < size:
-        buf = _local.buf = np.empty(max(size, 1 << 16), dtype=np.int64)
+        grown = np.empty(max(size, 1 << 16, 0 if buf is None else buf.size * 3 // 2), np.int64)
+        if keep:
+            assert buf is not None
+            grown[:keep] = buf[:keep]
+        buf = _local.buf = grown
     return buf
 
 
@@ -121,18 +126,17 @@ def changed_indices(cur: np.ndarray, base: np.ndarray) -> np.ndarray:
     a = cur.view(np.uint16)
     b = base.view(np.uint16)
     main = n - n % 4
-    out = _index_buffer(min(main, _CHUNK) + 4)
-    parts: list[np.ndarray] = []
+    k = 0  # the chunks append to one buffer: a single copy of the result at the end
     for start in range(0, main, _CHUNK):
         stop = min(main, start + _CHUNK)
-        k = words_changed(a[start:stop].view(np.uint64), b[start:stop].view(np.uint64), start, out)
-        if k:
-            parts.append(out[:k].copy())
+        out = _index_buffer(k + (stop - start) + 4, keep=k)
+        k += words_changed(
+            a[start:stop].view(np.uint64), b[start:stop].view(np.uint64), start, out[k:]
+        )
+    result = _index_buffer(k, keep=k)[:k].copy()
     if main < n:
-        parts.append(main + np.flatnonzero(a[main:] != b[main:]))
-    if not parts:
-        return np.empty(0, dtype=np.int64)
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        result = np.concatenate([result, main + np.flatnonzero(a[main:] != b[main:])])
+    return result
 
 
 def xor_scatter(arr: np.ndarray, idx: np.ndarray, vals: np.ndarray) -> None:
