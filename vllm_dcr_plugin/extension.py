@@ -147,13 +147,23 @@ class DCRWorkerExtension:
         attempt: int,
         timeout_s: float = 60.0,
         kill_after_payloads: int | None = None,
+        apply: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Fetch the attempt's payloads from an object store and stage them. `store` is a JSON
         store spec (``{"kind": "dir", "root": ...}`` or ``{"kind": "s3", "bucket": ...,
-        "endpoint_url": ...}``); every rank fetches for itself. `kill_after_payloads`: recovery
-        tests only."""
+        "endpoint_url": ...}``); every rank fetches for itself. With `apply` (``{"verify":
+        bool}``) the fetch is pipelined: payloads are fetched as they appear and each is applied
+        once staged; the attempt's ACK is returned under ``"ack"``. `kill_after_payloads`, and
+        `apply`'s ``fail_after_items`` / ``kill_after_items``: recovery tests only."""
+        if apply is not None and not isinstance(apply, dict):
+            raise ValueError(f"dcr_fetch: apply must be a dict or None, got {type(apply).__name__}")
         return self._dcr_receiver().fetch(
-            store, int(version), int(attempt), float(timeout_s), _opt_int(kill_after_payloads)
+            store,
+            int(version),
+            int(attempt),
+            float(timeout_s),
+            _opt_int(kill_after_payloads),
+            apply,
         )
 
     @_rpc

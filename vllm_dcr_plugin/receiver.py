@@ -4,6 +4,9 @@ Works on any ``torch.nn.Module`` with a vLLM-style ``load_weights(iterable of (n
 `DCRWorkerExtension` holds one per vLLM worker. States:
 
 - ``clean``: weights are exactly the committed version. XOR and overwrite items accepted.
+- ``applying``: a pipelined attempt (`fetch` with ``apply``) has applied the payloads that
+  arrived so far, consistently; more of the same attempt may follow (XOR still accepted for it).
+  Aborting it or applying another attempt makes the receiver ``dirty``.
 - ``applied``: an attempt for (committed -> target) applied completely; awaiting ``commit``.
 - ``dirty``: an attempt failed part-way; weights are a mixture. Only overwrite items (a retry of
   the complete changed set) are accepted until an attempt succeeds.
@@ -85,6 +88,7 @@ class Receiver:
         self.staging = StagingArea(key=key_from_env())
         self.committed_version = 0
         self.state = "clean"
+        self.applying_attempt: int | None = None  # the attempt of state "applying"
         self.target_version: int | None = None
         self.last_ack: dict[str, Any] | None = None
         self.metrics = ReceiverMetrics(int(rank.get("rank", 0)))
@@ -225,15 +229,25 @@ class Receiver:
         attempt: int,
         timeout_s: float = 60.0,
         kill_after_payloads: int | None = None,
+        apply: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Fetch every payload of the attempt's manifest from an object store (see
         `shared_codec.transport.store.open_store` for the spec), or read them from a relay node's
         spool directory (``{"kind": "spool", "root": DIR}``, after the tree acknowledged the
-        attempt complete), and stage them. Returns counts and
-        the staging results; a rejected payload fails the fetch (nothing of it is applied).
-        `kill_after_payloads` SIGKILLs this process after staging that many (recovery tests)."""
+        attempt complete), and stage them. Returns counts and the staging results; a rejected
+        payload fails the fetch (nothing of it is applied). `kill_after_payloads` SIGKILLs this
+        process after staging that many (recovery tests).
+
+        Pipelined (``apply`` given: ``{"verify": bool, "fail_after_items": n,
+        "kill_after_items": n}``, the last two for recovery tests): payloads are taken from the
+        store as their objects appear (before the manifest, `ObjectFetcher.stream`), or from the
+        spool as the relay node writes them (`stream_spool`, until its manifest notice) and each is
+        applied as soon as it is staged, so payload l is applied while l + 1 is still built or in
+        flight; the result then carries the attempt's merged ACK under ``"ack"``, exactly as
+        `apply` would return it, and the receiver is ``applied`` (or ``dirty`` after a failure).
+        A fetch error after part of the attempt was applied leaves the receiver ``dirty``."""
         from shared_codec.transport.objects import ObjectFetcher
-        from shared_codec.transport.relay import read_spool
+        from shared_codec.transport.relay import read_spool, stream_spool
         from shared_codec.transport.store import open_store
 
         self._require_prewarm()
@@ -241,24 +255,62 @@ class Receiver:
         spec = json.loads(store_spec) if isinstance(store_spec, str) else dict(store_spec)
         source: Iterable[bytes]
         if spec.get("kind") == "spool":  # payloads a relay-tree node wrote to local disk
-            source = read_spool(str(spec["root"]), int(version), int(attempt))
+            if apply is not None:  # as they arrive, until the node's manifest notice
+                source = stream_spool(
+                    str(spec["root"]), int(version), int(attempt), float(timeout_s)
+                )
+            else:
+                source = read_spool(str(spec["root"]), int(version), int(attempt))
         else:
             fetcher = ObjectFetcher(open_store(spec), key=self.staging.key)
-            source = fetcher.fetch(int(version), int(attempt), float(timeout_s))
+            if apply is not None:  # fetched in a thread: the link's wait overlaps applies
+                source = _prefetched(fetcher.stream(int(version), int(attempt), float(timeout_s)))
+            else:
+                source = fetcher.fetch(int(version), int(attempt), float(timeout_s))
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
-        for payload in source:
-            if kill_after_payloads is not None and out["payloads"] >= kill_after_payloads:
-                os.kill(os.getpid(), signal.SIGKILL)
-            res = self.stage([payload])
-            if res["rejected"]:
-                raise PayloadError(f"fetched payload rejected: {res['rejected'][0]['reason']}")
-            out["payloads"] += 1
-            out["bytes"] += len(payload)
-            out["staged"] += len(res["staged"])
-            out["duplicates"] += len(res["duplicates"])
+        acks: list[dict[str, Any]] = []
+        opts = dict(apply or {})
+        verify = bool(opts.get("verify", False))
+
+        def remaining(key: str) -> int | None:
+            n = opts.get(key)
+            return None if n is None else max(0, int(n) - sum(a["items"] for a in acks))
+
+        try:
+            for payload in source:
+                if kill_after_payloads is not None and out["payloads"] >= kill_after_payloads:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                res = self.stage([payload])
+                if res["rejected"]:
+                    raise PayloadError(f"fetched payload rejected: {res['rejected'][0]['reason']}")
+                out["payloads"] += 1
+                out["bytes"] += len(payload)
+                out["staged"] += len(res["staged"])
+                out["duplicates"] += len(res["duplicates"])
+                if apply is not None and res["staged"]:
+                    acks.append(
+                        self.apply(
+                            attempt,
+                            verify,
+                            remaining("fail_after_items"),
+                            remaining("kill_after_items"),
+                            final=False,
+                        )
+                    )
+                    if not acks[-1]["ok"]:
+                        break
+        except BaseException:
+            if self.state == "applying":
+                self.state = "dirty"  # part of the attempt is in the weights
+            raise
+        out["fetch_seconds"] = time.perf_counter() - t0
+        if apply is not None and (not acks or acks[-1]["ok"]):
+            acks.append(self.apply(attempt, verify, remaining("fail_after_items"), None))
         out["seconds"] = time.perf_counter() - t0
         out["rank"] = self.rank.get("rank", 0)
         self.metrics.fetch_seconds.observe(out["seconds"])
+        if apply is not None:
+            out["ack"] = merge_acks(acks)
         return out
 
     def apply(
@@ -267,10 +319,11 @@ class Receiver:
         verify: bool = False,
         fail_after_items: int | None = None,
         kill_after_items: int | None = None,
+        final: bool = True,
     ) -> dict[str, Any]:
         """See `_apply`; also counts the apply in the metrics."""
         t0 = time.perf_counter()
-        ack = self._apply(attempt, verify, fail_after_items, kill_after_items)
+        ack = self._apply(attempt, verify, fail_after_items, kill_after_items, final)
         self.metrics.applied(ack, time.perf_counter() - t0)
         return ack
 
@@ -280,8 +333,11 @@ class Receiver:
         verify: bool = False,
         fail_after_items: int | None = None,
         kill_after_items: int | None = None,
+        final: bool = True,
     ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place; returns the ACK (plain dict).
+        ``final=False`` (pipelined fetch): more payloads of the attempt may follow; the receiver
+        is then ``applying`` instead of ``applied``.
 
         Fault injection for recovery tests: `fail_after_items` fails the attempt (as a loader
         error would) after that many items were applied, leaving a partial apply behind;
@@ -300,13 +356,21 @@ class Receiver:
         if len(targets) > 1:
             raise ProtocolError(f"attempt {attempt} mixes target versions {sorted(targets)}")
         target = targets.pop() if targets else None
-        if self.state == "applied" and target is not None and target != self.target_version:
+        if self.state == "applying" and self.applying_attempt != attempt:
+            self.state = "dirty"  # another attempt's payloads are partly in the weights
+        if (
+            self.state in ("applied", "applying")
+            and target is not None
+            and target != self.target_version
+        ):
             raise ProtocolError(
                 f"receiver holds an applied, uncommitted version {self.target_version}; commit it "
                 f"before applying version {target}"
             )
         has_xor = any(e.kind == Kind.XOR for p in staged for e in p.header.items)
-        if has_xor and self.state != "clean":
+        if has_xor and not (
+            self.state == "clean" or (self.state == "applying" and self.applying_attempt == attempt)
+        ):
             raise ProtocolError(
                 f"attempt {attempt} has XOR items but this receiver is {self.state} (weights are "
                 "not exactly the committed version); retry with overwrites of the complete set"
@@ -391,22 +455,23 @@ class Receiver:
                 self.staging.mark_applied(attempt, sp.header.payload_id)
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
             ack["error"] = f"{type(e).__name__}: {e}"
-            if touched:
+            if touched or self.state == "applying":
                 self.state = "dirty"
-                self.target_version = target
+                self.target_version = target or self.target_version
             self.last_ack = ack
             return ack
         ack["timings"]["total_s"] = time.perf_counter() - t_start
         if verify and ack["post_apply_mismatches"]:
             ack["error"] = f"post-apply check found {ack['post_apply_mismatches']} mismatches"
             self.state = "dirty"
-            self.target_version = target
+            self.target_version = target or self.target_version
             self.last_ack = ack
             return ack
         ack["ok"] = True
-        if target is not None:
-            self.state = "applied"
-            self.target_version = target
+        if target is not None or self.state == "applying":
+            self.state = "applied" if final else "applying"
+            self.applying_attempt = None if final else attempt
+            self.target_version = target or self.target_version
         self.last_ack = ack
         return ack
 
@@ -430,6 +495,8 @@ class Receiver:
     def abort(self, attempt: int) -> dict[str, Any]:
         """Fence `attempt`: drop its staged payloads and refuse its late payloads."""
         dropped = self.staging.fence(int(attempt))
+        if self.state == "applying" and self.applying_attempt == int(attempt):
+            self.state = "dirty"  # the fenced attempt is partly in the weights
         return {"attempt": int(attempt), "dropped": dropped, "state": self.state}
 
     # -- digests and dense load -------------------------------------------------------------
@@ -497,6 +564,77 @@ class Receiver:
             "staged_payloads": sum(len(v) for v in self.staging.staged.values()),
             "staged_bytes": self.staging.staged_bytes,
         }
+
+
+def _prefetched(source: Iterable[bytes], depth: int = 4) -> Iterable[bytes]:
+    """Iterate `source` in a background thread, at most `depth` items ahead (I/O waits of the
+    transport overlap the caller's work); its exception is re-raised in the caller. Closing the
+    generator early (a failed apply) stops the thread after its current item."""
+    import queue
+    import threading
+
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        q.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(("end", None))
+        except BaseException as e:  # handed to the consumer
+            q.put(("error", e))
+
+    t = threading.Thread(target=run, name="dcr-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+
+
+def merge_acks(acks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ACK for an attempt applied in several `apply` calls (pipelined fetch): counts and
+    timings summed, the first error, ``ok`` only if every part was."""
+    if not acks:
+        raise ValueError("no ACK to merge")
+    out = dict(acks[-1])
+    out["timings"] = dict(acks[-1]["timings"])
+    for k in (
+        "payloads",
+        "items",
+        "skipped_items",
+        "batches",
+        "elements_written",
+        "bytes",
+        "compressed_bytes",
+    ):
+        out[k] = sum(int(a.get(k) or 0) for a in acks)
+    if out.get("verified"):
+        out["post_apply_mismatches"] = sum(int(a.get("post_apply_mismatches") or 0) for a in acks)
+    for k in ("decode_s", "apply_s", "total_s"):
+        out["timings"][k] = sum(float(a["timings"].get(k, 0.0)) for a in acks)
+    out["ok"] = all(a["ok"] for a in acks)
+    bad = next((a for a in acks if not a["ok"]), None)
+    if bad is not None:
+        out["error"], out["partial_item"] = bad["error"], bad["partial_item"]
+    out["target_version"] = next(
+        (a["target_version"] for a in acks if a["target_version"] is not None), None
+    )
+    out["pipelined_parts"] = len(acks)
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -50,6 +50,9 @@ class HttpReceiver:
     canonical tensor table for ``dcr_prewarm`` (``[[name, dtype, shape], ...]``); `launcher`:
     starts a replacement engine and returns its base URL. `faults` (recovery tests only): keyword
     arguments for the next ``dcr_fetch`` / ``dcr_apply`` (e.g. ``kill_after_items``), used once.
+    `pipelined` (default): `apply` is one pipelined ``dcr_fetch`` (each payload applied as it
+    arrives; the coordinator starts it while the owners build); ``False``: fetch everything, then
+    ``dcr_apply``.
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class HttpReceiver:
         tensors: list,
         launcher: Callable[[], str] | None = None,
         verify: bool = False,
+        pipelined: bool = True,
     ) -> None:
         self.name = name
+        self.pipelined = pipelined
         self.base_url = base_url.rstrip("/")
         self.store = json.dumps(store, sort_keys=True)
         self.checkpoint_for = checkpoint_for
@@ -125,42 +130,56 @@ class HttpReceiver:
         return self.rpc("dcr_prewarm", self.tensors, version)
 
     def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        """Fetch + stage on every rank, then apply; the merged ACK of all ranks. A fetch the
-        engine answered with an error (a missing or rejected payload) is a failed ACK; an engine
-        that does not answer raises `ReceiverUnreachable`."""
+        """Fetch + stage on every rank, then apply; the merged ACK of all ranks. Pipelined (the
+        default): one ``dcr_fetch`` call that applies each payload as it arrives, so it can be
+        started while the owners still build. A fetch the engine answered with an error (a
+        missing or rejected payload) is a failed ACK; an engine that does not answer raises
+        `ReceiverUnreachable`."""
         faults, self.faults = self.faults, {}
         t0 = time.perf_counter()
+        opts = None
+        if self.pipelined:
+            opts = {
+                "verify": self.verify,
+                "fail_after_items": faults.get("fail_after_items"),
+                "kill_after_items": faults.get("kill_after_items"),
+            }
         try:
-            fetched = self.rpc(
-                "dcr_fetch",
-                self.store,
-                version,
-                attempt,
-                timeout_s,
-                faults.get("kill_after_payloads"),
-                timeout=timeout_s,
-            )
-        except ReceiverUnreachable:
-            raise
-        except DCRError as e:
-            self.last = {"ok": False, "error": f"fetch failed: {e}", "ranks": []}
-            return self.last
-        t1 = time.perf_counter()
-        try:
-            acks = self._post(
-                "/collective_rpc",
-                {
-                    "method": "dcr_apply",
-                    "args": [
-                        attempt,
-                        self.verify,
-                        faults.get("fail_after_items"),
-                        faults.get("kill_after_items"),
-                    ],
-                    "timeout": timeout_s,
-                },
-                timeout_s + 30,
-            )["results"]
+            try:
+                fetched = self.rpc(
+                    "dcr_fetch",
+                    self.store,
+                    version,
+                    attempt,
+                    timeout_s,
+                    faults.get("kill_after_payloads"),
+                    opts,
+                    timeout=timeout_s,
+                )
+            except ReceiverUnreachable:
+                raise
+            except DCRError as e:
+                self.last = {"ok": False, "error": f"fetch failed: {e}", "ranks": []}
+                return self.last
+            t1 = time.perf_counter()
+            if opts is not None:
+                acks = [f["ack"] for f in fetched]
+                t1 = t0 + max(float(f.get("fetch_seconds", 0.0)) for f in fetched)
+            else:
+                acks = self._post(
+                    "/collective_rpc",
+                    {
+                        "method": "dcr_apply",
+                        "args": [
+                            attempt,
+                            self.verify,
+                            faults.get("fail_after_items"),
+                            faults.get("kill_after_items"),
+                        ],
+                        "timeout": timeout_s,
+                    },
+                    timeout_s + 30,
+                )["results"]
         finally:
             if self.healthy():
                 self.reset_prefix_cache()  # also after a failed apply: weights may be partial
@@ -169,8 +188,9 @@ class HttpReceiver:
             "ok": not errors,
             "error": "; ".join(errors) or None,
             "ranks": acks,
-            "fetch_s": t1 - t0,
-            "apply_s": time.perf_counter() - t1,
+            "pipelined": opts is not None,
+            "fetch_s": t1 - t0,  # pipelined: until the last payload arrived (applies overlap)
+            "apply_s": time.perf_counter() - t1,  # pipelined: the tail after the last payload
             "fetched_bytes": sum(int(f.get("bytes", 0)) for f in fetched),
             "payloads": max((int(f.get("payloads", 0)) for f in fetched), default=0),
             "elements_written": sum(int(a.get("elements_written", 0)) for a in acks),

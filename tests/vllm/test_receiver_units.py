@@ -213,3 +213,118 @@ def test_metrics_served_over_http_when_port_is_set(monkeypatch) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         body = resp.read().decode()
     assert "dcr_dense_loads_total 1.0" in body and "dcr_applies_total" in body
+
+
+def _one_payload_per_item(items, version: int, base: int, attempt: int) -> list[bytes]:
+    out = []
+    for seq, item in enumerate(items):
+        meta = PayloadMeta(
+            version=version, base_version=base, attempt=attempt, owner=0, sequence=seq
+        )
+        out.extend(encode_items([item], meta))
+    return out
+
+
+def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> None:
+    """`fetch(..., apply=...)` over a directory store: payload 0 is applied while the owner
+    has not published payload 1 or the manifest yet (the publisher waits for that, so a fetch
+    that waited for the manifest would time out); the attempt then ends ``applied`` and exact.
+    An attempt the coordinator abandons after a partial apply leaves the receiver dirty; the
+    overwrite retry repairs it."""
+    import threading
+
+    import pytest
+
+    from shared_codec.transport import DirectoryStore, ObjectPublisher, write_manifest
+    from shared_codec.transport.objects import abandon_attempt
+    from shared_codec.transport.store import TransportError
+
+    model = FakeLoaderModel()
+    v0, v1, v2 = _canonical(0), _canonical(0), _canonical(0)
+    for n in v1:
+        v1[n].reshape(-1)[::3] = (v1[n].reshape(-1)[::3].float() * 1.5 + 0.25).to(v1[n].dtype)
+        v2[n] = v1[n].clone()
+        v2[n].reshape(-1)[1::2] = (v2[n].reshape(-1)[1::2].float() - 0.5).to(v2[n].dtype)
+    _dense(model, v0)
+    rx = Receiver(model, rank={"rank": 0})
+    report = rx.prewarm([[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()], 0)
+    refit = ("d.weight", "t.weight", "c.weight")
+
+    def items(a, b, retry=False):
+        return [
+            diff_tensors(
+                n, a[n], b[n], owner=0,
+                kind=Kind.OVERWRITE if retry or n in report["overwrite_only"] else Kind.XOR,
+            )
+            for n in refit
+        ]  # fmt: skip
+
+    store = DirectoryStore(tmp_path / "store")
+    spec = {"kind": "dir", "root": str(tmp_path / "store")}
+    seen: dict[str, object] = {}
+
+    def owner(version, attempt, payloads, finish) -> None:
+        pub = ObjectPublisher(store, version=version, attempt=attempt, owner=0)
+        pub.send(payloads[0])
+        pub._futures[0].result()  # payload 0 is in the store
+        for _ in range(2000):  # until the receiver applied it (10 s at most)
+            if rx.staging.applied_ids:
+                break
+            threading.Event().wait(0.005)
+        seen["applied_before_rest"] = bool(rx.staging.applied_ids)
+        seen["state_then"] = rx.state
+        if finish:
+            for p in payloads[1:]:
+                pub.send(p)
+            pub.finish()
+            write_manifest(store, version=version, base_version=version - 1, attempt=attempt,
+                           owners=[0])  # fmt: skip
+        else:
+            pub.finish()
+            abandon_attempt(store, version=version, attempt=attempt, reason="owner 1 died")
+
+    t = threading.Thread(
+        target=owner, args=(1, 0, _one_payload_per_item(items(v0, v1), 1, 0, 0), True)
+    )
+    t.start()
+    res = rx.fetch(spec, 1, 0, timeout_s=20, apply={"verify": True})
+    t.join()
+    assert seen == {"applied_before_rest": True, "state_then": "applying"}
+    ack = res["ack"]
+    assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+    assert ack["payloads"] == 3 and ack["pipelined_parts"] == 4 and ack["target_version"] == 1
+    assert rx.state == "applied"
+    expected = FakeLoaderModel()
+    _dense(expected, v1)
+    for name in ("t", "c", "d"):
+        assert torch.equal(
+            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
+        )
+    rx.commit(1)
+
+    # abandoned after payload 0 was applied: the fetch fails, the receiver is dirty
+    t = threading.Thread(
+        target=owner, args=(2, 0, _one_payload_per_item(items(v1, v2), 2, 1, 0), False)
+    )
+    t.start()
+    with pytest.raises(TransportError, match="abandoned by the coordinator: owner 1 died"):
+        rx.fetch(spec, 2, 0, timeout_s=20, apply={"verify": False})
+    t.join()
+    assert rx.state == "dirty"
+    rx.abort(0)
+    # the retry: overwrites of the complete changed set, pipelined as well
+    retry = _one_payload_per_item(items(v1, v2, retry=True), 2, 1, 1)
+    pub = ObjectPublisher(store, version=2, attempt=1, owner=0)
+    for p in retry:
+        pub.send(p)
+    pub.finish()
+    write_manifest(store, version=2, base_version=1, attempt=1, owners=[0])
+    ack = rx.fetch(spec, 2, 1, timeout_s=20, apply={"verify": True})["ack"]
+    assert ack["ok"] and rx.state == "applied", ack
+    expected = FakeLoaderModel()
+    _dense(expected, v2)
+    for name in ("t", "c", "d"):
+        assert torch.equal(
+            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
+        )
+    rx.commit(2)
