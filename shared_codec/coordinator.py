@@ -10,10 +10,16 @@ out to every trainer rank / every receiver rank behind them):
    (after a failure, or after a coordinator restart that finds earlier attempts) is a retry:
    overwrites of the complete changed set from the same candidate weights.
 2. ``owners.build(v, a, retry)``: owners construct and publish the attempt's payloads and the
-   manifest. A failure here fails the attempt (nothing was applied anywhere).
+   manifest. A failure here fails the attempt.
 3. ``open_apply``: every required receiver gets the attempt delivered (fetched / streamed and
    staged) and applies it (``dcr_apply``), concurrently, each within its deadline. An ACK that is
    not ok, a raised error, or a missed deadline fails the attempt and names the receiver.
+   Pipelined (the default when the coordinator can abandon an attempt: given the
+   `payload_store` or an `abandon` callable): the receivers' apply calls start together with
+   ``owners.build``, so receivers fetch and apply payload l while owners still build l + 1 (the
+   paper's Figure 8); if the build fails, the coordinator abandons the attempt (a marker in the
+   store, or an ``abandon`` message down the relay tree) so waiting receivers stop at once
+   (their partial applies make them dirty; the fence and the overwrite retry repair that).
 4. Joint commit: only when every required receiver ACKed ok, the coordinator compare-and-sets
    the commit record (version, baseline id, attempt, receivers, per-receiver digests). Then
    receivers and owners are told to commit (owners advance their baselines in place).
@@ -101,11 +107,13 @@ class Receiver(Protocol):
 class CoordinatorConfig:
     """`max_attempts` per transition; `ack_timeout_s`: deadline for each receiver's delivery +
     apply; `record_digests`: read every receiver's digest into the commit record (a full hash of
-    the weights on every rank: cheap for small models, seconds for large ones)."""
+    the weights on every rank: cheap for small models, seconds for large ones); `pipeline`: overlap
+    the receivers' delivery + apply with the owners' build (module docstring, step 3)."""
 
     max_attempts: int = 3
     ack_timeout_s: float = 600.0
     record_digests: bool = True
+    pipeline: bool = True  # start receivers with the build (needs a way to abandon attempts)
 
 
 @dataclass
@@ -147,7 +155,13 @@ class Coordinator:
         receivers: list[Receiver],
         config: CoordinatorConfig | None = None,
         log: Callable[[str], None] | None = None,
+        payload_store: ObjectStore | None = None,
+        abandon: Callable[[int, int, str], None] | None = None,
     ) -> None:
+        """`control`: where the commit and attempt records live. Pipelining needs a way to tell
+        waiting receivers that an attempt was given up: `payload_store` (the object store the
+        owners publish to: the abandon marker is written there) or `abandon(version, attempt,
+        reason)` (e.g. ``RelaySender(root).abandon`` for relay-tree delivery)."""
         names = [r.name for r in receivers]
         if len(set(names)) != len(names):
             raise ValueError(f"receiver names must be unique, got {names}")
@@ -157,6 +171,13 @@ class Coordinator:
         self.receivers = list(receivers)
         self.config = config or CoordinatorConfig()
         self.log = log or _log.info
+        if abandon is None and payload_store is not None:
+            from shared_codec.transport.objects import abandon_attempt
+
+            def abandon(version: int, attempt: int, reason: str) -> None:
+                abandon_attempt(payload_store, version=version, attempt=attempt, reason=reason)
+
+        self.abandon = abandon
 
     # -- state from the control store ---------------------------------------------------------
     def committed_version(self) -> int:
@@ -241,18 +262,49 @@ class Coordinator:
     def _attempt(self, version: int, attempt: int, retry: bool) -> AttemptResult:
         res = AttemptResult(attempt=attempt, retry=retry, ok=False)
         self.log(f"version {version} attempt {attempt}{' (retry: overwrites)' if retry else ''}")
+        pipelined = self.config.pipeline and self.abandon is not None
+        timeout = self.config.ack_timeout_s
+        pool = ThreadPoolExecutor(max_workers=max(1, len(self.receivers)))
+        futures: dict[str, Any] = {}
         t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+
+        def open_apply() -> None:
+            nonlocal deadline
+            deadline = time.monotonic() + timeout
+            for r in self.receivers:
+                futures[r.name] = pool.submit(r.apply, version, attempt, timeout)
+
+        if pipelined:
+            open_apply()
         try:
             res.owners = self.owners.build(version, attempt, retry)
         except Exception as e:
             res.failed["owners"] = f"{type(e).__name__}: {e}"
+            if pipelined:
+                assert self.abandon is not None
+                try:
+                    self.abandon(version, attempt, res.failed["owners"])
+                except Exception as e:  # receivers then run into their deadline
+                    self.log(f"version {version} attempt {attempt}: abandon failed: {e}")
+                self._collect(res, futures, deadline)
+            pool.shutdown(wait=False, cancel_futures=True)
             return res
         res.seconds["build"] = time.perf_counter() - t0
         t1 = time.perf_counter()
+        if not pipelined:
+            open_apply()
+        self._collect(res, futures, deadline)
+        pool.shutdown(wait=False, cancel_futures=True)
+        # pipelined: only the tail after the build (the receivers' work overlapped it)
+        res.seconds["apply"] = time.perf_counter() - t1
+        res.ok = not res.failed
+        if not res.ok:
+            self.log(f"version {version} attempt {attempt} failed: {res.failed}")
+        return res
+
+    def _collect(self, res: AttemptResult, futures: dict[str, Any], deadline: float) -> None:
         timeout = self.config.ack_timeout_s
-        pool = ThreadPoolExecutor(max_workers=max(1, len(self.receivers)))
-        futures = {r.name: pool.submit(r.apply, version, attempt, timeout) for r in self.receivers}
-        deadline = time.monotonic() + timeout
         for name, fut in futures.items():
             try:
                 ack = fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -267,12 +319,6 @@ class Coordinator:
             res.acks[name] = ack
             if not ack.get("ok"):
                 res.failed[name] = str(ack.get("error") or "ACK not ok")
-        pool.shutdown(wait=False, cancel_futures=True)
-        res.seconds["apply"] = time.perf_counter() - t1
-        res.ok = not res.failed
-        if not res.ok:
-            self.log(f"version {version} attempt {attempt} failed: {res.failed}")
-        return res
 
     def _commit(self, version: int, committed: int, res: AttemptResult) -> CommitRecord:
         digests = {r.name: r.digest() for r in self.receivers} if self.config.record_digests else {}
@@ -285,9 +331,13 @@ class Coordinator:
             digests=digests,
         )
         record = self.commits.commit(committed, record)  # CommitConflict: tell nobody to commit
-        for r in self.receivers:
-            r.commit(version)
-        self.owners.commit(version)
+        # the record is durable: tell every participant at once (a failure here is finished by
+        # `resume`, where repeated commits are no-ops)
+        with ThreadPoolExecutor(max_workers=len(self.receivers) + 1) as pool:
+            futures = [pool.submit(r.commit, version) for r in self.receivers]
+            futures.append(pool.submit(self.owners.commit, version))
+            for f in futures:
+                f.result()
         self.log(f"version {version} committed (attempt {res.attempt})")
         return record
 

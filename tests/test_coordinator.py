@@ -4,13 +4,15 @@ real optimizer steps behind the owner service, two `vllm serve` receivers driven
 receiver killed mid-apply and another failing part-way are repaired by the overwrite retry and
 a restart + dense load; a coordinator that dies between the ACKs and the commit is replaced by a
 new one that resumes without a double commit; a payload lost in transport fails the attempt,
-late payloads of the failed attempt are refused and duplicates apply once. Every committed
+late payloads of the failed attempt are refused and duplicates apply once; owners failing while
+pipelined receivers wait make the coordinator abandon the attempt. Every committed
 version is checked bit for bit against a dense load of the trainer's export of that version."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,28 @@ class LossyOwners:
         self.inner.abort(version, attempt)
 
 
+class FailingOwners:
+    """Wraps the real owner service: the first build fails before publishing anything (a
+    trainer rank lost while the pipelined receivers already wait for payloads); later builds
+    are real."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.failures = inner, 0
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict:
+        if not self.failures:
+            self.failures += 1
+            time.sleep(2)  # the receivers' streaming fetches are polling the store by now
+            raise RuntimeError("owner rank 1 lost")
+        return self.inner.build(version, attempt, retry)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, version: int, attempt: int) -> None:
+        self.inner.abort(version, attempt)
+
+
 def _check_exact(cluster: Cluster, version: int) -> None:
     refit = [r.digest() for r in cluster.receivers]
     assert len(set(refit)) == 1, refit
@@ -93,6 +117,9 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert res.version == 1 and res.retries == 0 and res.record.attempt == 0
         assert res.attempts[0].owners["payloads"] > 1
         assert all(a["ok"] for a in res.attempts[0].acks.values())
+        # pipelined: each engine applied the payloads in several passes as they arrived
+        acks = list(res.attempts[0].acks.values())
+        assert all(a["pipelined"] and a["ranks"][0]["pipelined_parts"] > 2 for a in acks), acks
         assert coord.committed_version() == 1
         _check_exact(cluster, 1)  # leaves engine1 dense-loaded at v1: still clean at v1
 
@@ -138,25 +165,41 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert res.record.version == 4 and res.record.attempt == 1
         _check_exact(cluster, 4)
 
-        # `dcr verify`: both engines against the commit record and a dense load of v4 (exact),
-        # then against v3's checkpoint (engine0 differs tensor by tensor; engine1, the
-        # reference, then holds v3 and no longer matches the commit record)
+        # 5. the owners fail while the pipelined receivers wait for payloads: the coordinator
+        # abandons the attempt, the receivers stop at once (not at their deadline: nobody is
+        # unreachable or restarted), the retry commits
+        cluster.owners.call("train", step=5)
+        failing = FailingOwners(cluster.owners)
+        coord5 = Coordinator(
+            cluster.store, failing, cluster.receivers, fresh.config, payload_store=cluster.store
+        )
+        res = coord5.refit()
+        first = res.attempts[0]
+        assert "owner rank 1 lost" in first.failed["owners"]
+        assert all("abandoned by the coordinator" in first.failed[r] for r in NAMES), first.failed
+        assert not first.unreachable
+        assert res.record.version == 5 and res.record.attempt == 1
+        _check_exact(cluster, 5)
+
+        # `dcr verify`: both engines against the commit record and a dense load of v5 (exact),
+        # then against v4's checkpoint (engine0 differs tensor by tensor; engine1, the
+        # reference, then holds v4 and no longer matches the commit record)
         urls = [r.base_url for r in cluster.receivers]
         spec = json.dumps(cluster.store_spec)
-        good = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(4),
-                           "--reference", urls[1], "--version", "4")  # fmt: skip
+        good = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(5),
+                           "--reference", urls[1], "--version", "5")  # fmt: skip
         assert good.returncode == 0, good.stdout + good.stderr
         report = json.loads(good.stdout)
-        assert report["ok"] and report["commit"]["version"] == 4
+        assert report["ok"] and report["commit"]["version"] == 5
         assert all(r["mismatched_tensors"] == [] for r in report["receivers"].values())
-        bad = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(3),
-                          "--reference", urls[1], "--version", "3")  # fmt: skip
+        bad = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(4),
+                          "--reference", urls[1], "--version", "4")  # fmt: skip
         assert bad.returncode == 1
         report = json.loads(bad.stdout)
         assert report["receivers"][urls[0]]["mismatched_tensors"]
         assert report["receivers"][urls[1]]["mismatched_tensors"] == []
         assert not report["ok"]
-        now = _dcr_verify(*urls, "--store", spec)  # engine1 was dense-loaded with v3 above
+        now = _dcr_verify(*urls, "--store", spec)  # engine1 was dense-loaded with v4 above
         report = json.loads(now.stdout)
         assert now.returncode == 1 and report["receivers"][urls[0]]["matches_commit_record"]
         assert not report["receivers"][urls[1]]["matches_commit_record"]
