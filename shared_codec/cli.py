@@ -12,8 +12,9 @@ Subcommands (each has ``--help``):
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
-- ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G] [--nodes N]``: end-to-end
-  refits vs the full-checkpoint reference over the same throttled links.
+- ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G] [--nodes N]
+  [--bucket-mib M]``: end-to-end refits (pipelined and sequential) vs the full-checkpoint
+  reference over the same throttled links.
 - ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
   vLLM; imported only by this subcommand).
 
@@ -80,7 +81,7 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
 def cmd_bench_refit(args: argparse.Namespace) -> int:
     from vllm_dcr_plugin import bench_refit  # no vllm import: engines run as `vllm serve`
 
-    return bench_refit.main(args.json, args.size, args.gbit, args.nodes)
+    return bench_refit.main(args.json, args.size, args.gbit, args.nodes, args.bucket_mib)
 
 
 def cmd_bench_construct(args: argparse.Namespace) -> int:
@@ -328,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=("medium", "small"), default="medium")
     p.add_argument("--gbit", type=float, default=1.0, help="link bandwidth (default 1 Gbit/s)")
     p.add_argument("--nodes", type=int, default=1, help="rollout engines (default 1)")
+    p.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=2.0,
+        help="raw record bytes per payload (MiB, default 2): smaller buckets overlap more",
+    )
     p.set_defaults(func=cmd_bench_refit)
 
     def bench_help(_args: argparse.Namespace) -> int:
