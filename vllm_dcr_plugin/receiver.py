@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -264,7 +266,11 @@ class Receiver:
         else:
             fetcher = ObjectFetcher(open_store(spec), key=self.staging.key)
             if apply is not None:  # fetched in a thread: the link's wait overlaps applies
-                source = _prefetched(fetcher.stream(int(version), int(attempt), float(timeout_s)))
+                source = _prefetched(
+                    lambda stop: fetcher.stream(
+                        int(version), int(attempt), float(timeout_s), cancelled=stop.is_set
+                    )
+                )
             else:
                 source = fetcher.fetch(int(version), int(attempt), float(timeout_s))
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
@@ -566,19 +572,19 @@ class Receiver:
         }
 
 
-def _prefetched(source: Iterable[bytes], depth: int = 4) -> Iterable[bytes]:
-    """Iterate `source` in a background thread, at most `depth` items ahead (I/O waits of the
-    transport overlap the caller's work); its exception is re-raised in the caller. Closing the
-    generator early (a failed apply) stops the thread after its current item."""
-    import queue
-    import threading
-
+def _prefetched(
+    make_source: Callable[[threading.Event], Iterable[bytes]], depth: int = 4
+) -> Iterator[bytes]:
+    """Iterate ``make_source(stop)`` in a background thread, at most `depth` items ahead (I/O
+    waits of the transport overlap the caller's work); its exception is re-raised in the caller.
+    Closing the generator early (a failed apply) sets `stop`, which the source polls, so the
+    thread ends instead of waiting out the attempt."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def run() -> None:
         try:
-            for item in source:
+            for item in make_source(stop):
                 while not stop.is_set():
                     try:
                         q.put(("item", item), timeout=0.1)
@@ -587,12 +593,13 @@ def _prefetched(source: Iterable[bytes], depth: int = 4) -> Iterable[bytes]:
                         continue
                 if stop.is_set():
                     return
-            q.put(("end", None))
+            if not stop.is_set():  # nobody reads the queue once the consumer has left
+                q.put(("end", None))
         except BaseException as e:  # handed to the consumer
-            q.put(("error", e))
+            if not stop.is_set():
+                q.put(("error", e))
 
-    t = threading.Thread(target=run, name="dcr-prefetch", daemon=True)
-    t.start()
+    threading.Thread(target=run, name="dcr-prefetch", daemon=True).start()
     try:
         while True:
             kind, value = q.get()

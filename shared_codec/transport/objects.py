@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from shared_codec.errors import PayloadError
@@ -215,18 +215,26 @@ class ObjectFetcher:
             yield self._get_checked(e["key"], e["size"], e["payload_id"])
 
     def stream(
-        self, version: int, attempt: int, timeout_s: float = 60.0, poll_s: float = 0.01
+        self,
+        version: int,
+        attempt: int,
+        timeout_s: float = 60.0,
+        poll_s: float = 0.01,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[bytes]:
         """Yield each payload of the attempt as soon as its object exists (listing the attempt's
         prefix every `poll_s`, backing off to 0.05 s while nothing new appears), then, once the
         manifest is written, the listed payloads not yet yielded. Raises TransportError when a
         yielded object is not listed by the manifest (the caller fails the attempt), when a
         listed payload is missing or differs, when the attempt is abandoned, or at `timeout_s`
-        without a manifest. Objects are only ever seen whole (stores publish atomically)."""
+        without a manifest. Objects are only ever seen whole (stores publish atomically).
+        `cancelled()` true ends the stream quietly at the next poll (its consumer gave up)."""
         prefix = attempt_prefix(version, attempt)
         seen: dict[str, str] = {}  # key -> payload id (hex)
         deadline, delay = time.monotonic() + timeout_s, poll_s
         while True:
+            if cancelled is not None and cancelled():
+                return
             m = self._try_manifest(version, attempt)
             fresh = sorted(
                 k

@@ -328,3 +328,44 @@ def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> N
             getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
         )
     rx.commit(2)
+
+
+def test_prefetch_thread_ends_when_its_consumer_gives_up() -> None:
+    """The pipelined fetch's background reader stops polling once the apply loop has left (a
+    failed apply), instead of waiting out the attempt; errors reach the consumer."""
+    import threading
+    import time
+
+    import pytest
+
+    from vllm_dcr_plugin.receiver import _prefetched
+
+    polls = []
+
+    def source(stop: threading.Event):
+        yield b"first"
+        while not stop.is_set():  # like ObjectFetcher.stream waiting for the next object
+            polls.append(1)
+            time.sleep(0.01)
+
+    def readers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "dcr-prefetch" and t.is_alive()]
+
+    it = _prefetched(source)
+    assert next(it) == b"first"
+    assert readers()
+    it.close()  # the consumer leaves
+    deadline = time.monotonic() + 5
+    while readers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not readers()
+    assert polls  # it was polling before it stopped
+
+    def failing(stop: threading.Event):
+        yield b"a"
+        raise OSError("link down")
+
+    it = _prefetched(failing)
+    assert next(it) == b"a"
+    with pytest.raises(OSError, match="link down"):
+        next(it)
