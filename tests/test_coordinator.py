@@ -5,7 +5,8 @@ receiver killed mid-apply and another failing part-way are repaired by the overw
 a restart + dense load; a coordinator that dies between the ACKs and the commit is replaced by a
 new one that resumes without a double commit; a payload lost in transport fails the attempt,
 late payloads of the failed attempt are refused and duplicates apply once; owners failing while
-pipelined receivers wait make the coordinator abandon the attempt. Every committed
+pipelined receivers wait make the coordinator abandon the attempt; the request gate refuses an
+apply while a generation runs. Every committed
 version is checked bit for bit against a dense load of the trainer's export of that version."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from shared_codec.coordinator import Coordinator
+from shared_codec.errors import DCRError
 from tests._cluster import Cluster
 from tests._procs import PYTHON
 
@@ -122,6 +125,26 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert all(a["pipelined"] and a["ranks"][0]["pipelined_parts"] > 2 for a in acks), acks
         assert coord.committed_version() == 1
         _check_exact(cluster, 1)  # leaves engine1 dense-loaded at v1: still clean at v1
+
+        # the request gate: while a completion streams on engine0, applying is refused and no
+        # weight changes; once it has finished, the gate is open again
+        r0 = cluster.receivers[0]
+        before = r0.digest()
+        body = {"model": "policy", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True,
+                "stream": True, "temperature": 0}  # fmt: skip
+        req = urllib.request.Request(
+            r0.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            assert resp.readline().startswith(b"data: ")  # the request holds worker state now
+            with pytest.raises(DCRError, match="request gate closed for apply"):
+                r0.rpc("dcr_apply", 99)
+            resp.read()
+        assert r0.digest() == before
+        (ack,) = r0.rpc("dcr_apply", 99)  # nothing staged for attempt 99: an empty, allowed apply
+        assert ack["ok"] and ack["items"] == 0
 
         # 2. engine0 is killed mid-apply, engine1 fails part-way: attempt 0 fails, both are
         # fenced, engine0 restarts and dense-loads v1, the overwrite retry repairs engine1
