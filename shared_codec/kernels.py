@@ -41,18 +41,31 @@ def _jit() -> Any:
 
     opts = {"nogil": True, "cache": True, "boundscheck": False}
 
+    @numba.njit(**opts, inline="always")
+    def lanes(x, base, out, k):  # pragma: no cover - compiled
+        # Lane flags: bit 15 of each 16-bit lane of ((x & 0x7fff..) + 0x7fff..) | x is set iff
+        # the lane is nonzero (no carry crosses a lane); every lane is stored unconditionally and
+        # kept by advancing k (branch-free). Returns the new k.
+        one = np.uint64(1)
+        lo = np.uint64(0x7FFF7FFF7FFF7FFF)
+        nz = (((x & lo) + lo) | x) & np.uint64(0x8000800080008000)
+        out[k] = base
+        k += np.int64((nz >> np.uint64(15)) & one)
+        out[k] = base + 1
+        k += np.int64((nz >> np.uint64(31)) & one)
+        out[k] = base + 2
+        k += np.int64((nz >> np.uint64(47)) & one)
+        out[k] = base + 3
+        return k + np.int64(nz >> np.uint64(63))
+
     @numba.njit(**opts)
     def words_changed(a64, b64, first, out):  # pragma: no cover - compiled
         # Blocks of 64 words: a branch-free (vectorised) pass keeps the XORed words in a small
         # L1 buffer and builds the block's bitmap of differing words, then only its set bits
         # are visited (count-trailing-zeros loop): one hard-to-predict branch per block instead
-        # of one per changed word. Lane flags: bit 15 of each 16-bit lane of
-        # ((x & 0x7fff..) + 0x7fff..) | x is set iff the lane is nonzero (no carry crosses a
-        # lane); each lane is stored unconditionally and kept by advancing k (branch-free).
+        # of one per changed word.
         k = 0
         one = np.uint64(1)
-        lo = np.uint64(0x7FFF7FFF7FFF7FFF)
-        hi = np.uint64(0x8000800080008000)
         n = a64.shape[0]
         nb = n // 64
         xb = np.empty(64, np.uint64)
@@ -66,30 +79,11 @@ def _jit() -> Any:
             while m != 0:
                 i = np.int64(trailing_zeros(m))
                 m &= m - one
-                x = xb[i]
-                nz = (((x & lo) + lo) | x) & hi
-                base = first + 4 * (s + i)
-                out[k] = base
-                k += np.int64((nz >> np.uint64(15)) & one)
-                out[k] = base + 1
-                k += np.int64((nz >> np.uint64(31)) & one)
-                out[k] = base + 2
-                k += np.int64((nz >> np.uint64(47)) & one)
-                out[k] = base + 3
-                k += np.int64(nz >> np.uint64(63))
+                k = lanes(xb[i], first + 4 * (s + i), out, k)
         for w in range(nb * 64, n):
             x = a64[w] ^ b64[w]
             if x != 0:
-                nz = (((x & lo) + lo) | x) & hi
-                base = first + 4 * w
-                out[k] = base
-                k += np.int64((nz >> np.uint64(15)) & one)
-                out[k] = base + 1
-                k += np.int64((nz >> np.uint64(31)) & one)
-                out[k] = base + 2
-                k += np.int64((nz >> np.uint64(47)) & one)
-                out[k] = base + 3
-                k += np.int64(nz >> np.uint64(63))
+                k = lanes(x, first + 4 * w, out, k)
         return k
 
     @numba.njit(**opts)
