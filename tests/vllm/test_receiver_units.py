@@ -215,6 +215,16 @@ def test_metrics_served_over_http_when_port_is_set(monkeypatch) -> None:
     assert "dcr_dense_loads_total 1.0" in body and "dcr_applies_total" in body
 
 
+def _assert_holds(model: FakeLoaderModel, tensors: dict[str, torch.Tensor]) -> None:
+    """`model`'s refit tensors are bit for bit those of a dense load of `tensors`."""
+    expected = FakeLoaderModel()
+    _dense(expected, tensors)
+    for name in ("t", "c", "d"):
+        assert torch.equal(
+            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
+        ), name
+
+
 def _one_payload_per_item(items, version: int, base: int, attempt: int) -> list[bytes]:
     out = []
     for seq, item in enumerate(items):
@@ -294,12 +304,7 @@ def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> N
     assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
     assert ack["payloads"] == 3 and ack["pipelined_parts"] == 4 and ack["target_version"] == 1
     assert rx.state == "applied"
-    expected = FakeLoaderModel()
-    _dense(expected, v1)
-    for name in ("t", "c", "d"):
-        assert torch.equal(
-            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
-        )
+    _assert_holds(model, v1)
     rx.commit(1)
 
     # abandoned after payload 0 was applied: the fetch fails, the receiver is dirty
@@ -321,12 +326,7 @@ def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> N
     write_manifest(store, version=2, base_version=1, attempt=1, owners=[0])
     ack = rx.fetch(spec, 2, 1, timeout_s=20, apply={"verify": True})["ack"]
     assert ack["ok"] and rx.state == "applied", ack
-    expected = FakeLoaderModel()
-    _dense(expected, v2)
-    for name in ("t", "c", "d"):
-        assert torch.equal(
-            getattr(model, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)
-        )
+    _assert_holds(model, v2)
     rx.commit(2)
 
 
