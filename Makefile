@@ -50,7 +50,7 @@ test-slow: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared_codec vllm_dcr_plugin megatron_dcr_hooks
+	$(VENV)/bin/mypy shared_codec vllm_dcr_plugin megatron_dcr_hooks dcr_tools
 
 demo: setup
 	$(VENV)/bin/dcr demo $(DEMO_ARGS)

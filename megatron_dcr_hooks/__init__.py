@@ -1,14 +1,35 @@
 """megatron_dcr_hooks: the owner side of DCR, running inside Megatron trainer processes.
 
+    from megatron_dcr_hooks import DCRConfig, enable_dcr
+
 Modules:
+- ``hook``: `DCRConfig`, `enable_dcr` and `DCRHook` (tasks, ownership, trackers, change
+  detection, projection, residual conversion, build/commit/abort/retry).
+- ``service``: the owner service a remote coordinator drives (ZeroMQ, JSON).
+- ``tasks`` / ``ownership``: conversion tasks measured from the bridge, and who owns what.
 - ``cpu_compat``: the CPU layer that lets real megatron-core run on gloo/CPU (trainer processes
   only; never imported by a vLLM process).
 - ``bridge_loader``: imports megatron-bridge's conversion modules without its package
   ``__init__`` files, with two fixes; returns the bridge's own mapping registry for a model type.
-- ``model``: builds a GPTModel (local spec) for a Qwen3 / Qwen3-MoE HF config (tests, demo).
 - ``conversion``: dense HF <-> Megatron conversion through the bridge registry.
 
-Heavy imports (megatron.core, transformers) happen inside these modules, not here.
+Importing this package imports neither megatron-core nor transformers: the public names are
+resolved lazily (module ``__getattr__``).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {"DCRConfig": "hook", "DCRHook": "hook", "enable_dcr": "hook"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_dcr_hooks.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'megatron_dcr_hooks' has no attribute {name!r}")
+
+
+__all__ = ["DCRConfig", "DCRHook", "enable_dcr"]

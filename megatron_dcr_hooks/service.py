@@ -1,5 +1,5 @@
 """Owner control service: a coordinator in another process drives the DCR hooks of a running
-Megatron job (the `shared_codec.coordinator.Owners` of that job, client: `shared_codec.control`).
+Megatron job (the `shared_codec.coordination.coordinator.Owners` of that job, client: `shared_codec.coordination.owners`).
 
 Rank 0 binds a ZeroMQ REP socket; each request (a JSON object with ``"op"``) is broadcast to
 every rank as JSON bytes in a uint8 tensor over the job's default process group (no pickle),

@@ -9,12 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, kill_group, torchrun_cmd
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners, torchrun_cmd
-from shared_codec.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.coordination.engines import HttpEngine
+from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.transport.store import DirectoryStore
-from tests._procs import REPO, base_env, free_port, kill_group
-from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
 
 
 class Cluster:
@@ -26,7 +26,7 @@ class Cluster:
         self.n_receivers = receivers
         self.trainer: subprocess.Popen | None = None
         self.servers: list[ServeProcess] = []
-        self.receivers: list[HttpReceiver] = []
+        self.receivers: list[HttpEngine] = []
         self.owners: RemoteOwners | None = None
 
     def checkpoint_for(self, version: int) -> str:
@@ -35,7 +35,7 @@ class Cluster:
     def start(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         cmd = torchrun_cmd(
-            "megatron_dcr_hooks.rl_trainer",
+            "dcr_tools.trainers.rl_job",
             ["--ckpt", str(self.ckpt), "--tp", "2", "--endpoint", endpoint,
              "--store", json.dumps(self.store_spec)],
         )  # fmt: skip
@@ -58,7 +58,7 @@ class Cluster:
         self.owners.call("export", path=self.checkpoint_for(0))
         table = tensor_table(self.checkpoint_for(0))
         self.receivers = [
-            HttpReceiver(
+            HttpEngine(
                 f"engine{i}",
                 url,
                 store=self.store_spec,

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """kind -> checkpoint directory for the three tiny fixtures (seed 0)."""
-    from shared_codec.tiny_models import KINDS, write_tiny_model
+    from dcr_tools.fixtures import KINDS, write_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {kind: write_tiny_model(kind, root / kind, seed=0) for kind in KINDS}

@@ -6,9 +6,9 @@ import json
 import subprocess
 from pathlib import Path
 
+from dcr_tools.fixtures import canonical_shapes, spec_for
+from dcr_tools.procs import PYTHON
 from shared_codec.checkpoint import load_checkpoint
-from shared_codec.tiny_models import canonical_shapes, spec_for
-from tests._procs import PYTHON
 
 DCR = str(Path(PYTHON).with_name("dcr"))
 

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests._procs import PYTHON, REPO, base_env
+from dcr_tools.procs import PYTHON, REPO, base_env
 
 
 def test_vllm_resident_condition_env_override(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from shared_codec.coordinator import Coordinator
+from dcr_tools.procs import PYTHON
+from shared_codec.coordination.coordinator import Coordinator
 from shared_codec.errors import DCRError
 from tests._cluster import Cluster
-from tests._procs import PYTHON
 
 NAMES = ("engine0", "engine1")
 

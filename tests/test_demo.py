@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, base_env, run_program
+from dcr_tools.procs import PYTHON, base_env, run_program
 
 
 def _demo(tmp: Path, name: str, *extra: str, steps: int) -> dict:
@@ -20,7 +20,7 @@ def _demo(tmp: Path, name: str, *extra: str, steps: int) -> dict:
         [
             PYTHON,
             "-m",
-            "shared_codec.cli",
+            "dcr_tools.cli",
             "demo",
             "--steps",
             str(steps),

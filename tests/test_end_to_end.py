@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, REPO, base_env, run_program, run_torchrun
+from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
 
 
 @pytest.mark.megatron

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcr_tools.fixtures import KINDS, canonical_shapes, spec_for, write_tiny_model
 from shared_codec.checkpoint import bits_equal, load_checkpoint, tensor_digest
-from shared_codec.tiny_models import KINDS, canonical_shapes, spec_for, write_tiny_model
 
 
 def _file_digests(path: Path) -> dict[str, str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import run_torchrun
+from dcr_tools.procs import run_torchrun
 
 WORKER = Path(__file__).with_name("worker_roundtrip.py")
 

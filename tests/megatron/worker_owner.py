@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks.trainer import Trainer, start
+from dcr_tools.trainers.trainer import Trainer, start
 
 
 def main() -> None:

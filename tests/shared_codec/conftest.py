@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import PYTHON, base_env, free_port, kill_group
+from dcr_tools.procs import PYTHON, base_env, free_port, kill_group
 
 
 @pytest.fixture(scope="session")

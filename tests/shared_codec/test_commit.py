@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_codec.commit import CommitConflict, CommitLog, CommitRecord
+from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
 from shared_codec.transport import DirectoryStore, S3Store
 
 

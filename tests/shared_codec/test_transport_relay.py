@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dcr_tools.procs import PYTHON, REPO, base_env, free_port, kill_group
 from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.format import PayloadMeta, peek_header
 from shared_codec.records import Kind, make_item
@@ -26,7 +27,6 @@ from shared_codec.transport.relay import (
     tree_children,
 )
 from shared_codec.transport.store import TransportError
-from tests._procs import PYTHON, REPO, base_env, free_port, kill_group
 
 
 def _payloads(owner: int, n_items: int = 6) -> list[bytes]:

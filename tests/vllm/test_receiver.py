@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared_codec.tiny_models import perturb_checkpoint, write_tiny_model
-from tests._procs import PYTHON, REPO, base_env, run_program
+from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
+from dcr_tools.procs import PYTHON, REPO, base_env, run_program
 
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 CASES = [
@@ -143,7 +143,7 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
 def test_relay_tree_stages_into_a_real_engine(tmp_path: Path) -> None:
     """Payloads streamed through a relay root are staged on the engine as they arrive; after
     the tree's completion acknowledgement, apply is bit-exact with a dense load."""
-    from tests._procs import free_port
+    from dcr_tools.procs import free_port
 
     versions = _versions("qwen3", tmp_path / "m")
     out = tmp_path / "relay.json"

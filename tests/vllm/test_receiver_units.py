@@ -203,7 +203,7 @@ def test_map_through_view_matches_brute_force() -> None:
 def test_metrics_served_over_http_when_port_is_set(monkeypatch) -> None:
     import urllib.request
 
-    from tests._procs import free_port
+    from dcr_tools.procs import free_port
 
     port = free_port()
     monkeypatch.setenv("DCR_METRICS_PORT", str(port - 1))

@@ -1,6 +1,6 @@
 """The coordinator's client for a trainer job's owner service (`megatron_dcr_hooks.service`).
 
-`RemoteOwners(endpoint)` implements `shared_codec.coordinator.Owners` over one ZeroMQ REQ
+`RemoteOwners(endpoint)` implements `shared_codec.coordination.coordinator.Owners` over one ZeroMQ REQ
 socket (JSON requests and replies, no pickle). A request that gets no reply within its timeout
 raises `DCRError` and the socket is replaced (a REQ socket cannot send again before it receives),
 so a slow or dead trainer job fails the attempt instead of wedging the coordinator.
@@ -71,18 +71,3 @@ class RemoteOwners:
             self.call("stop", timeout_s=timeout_s)
         finally:
             self.close()
-
-
-def torchrun_cmd(module: str, args: list[str], nproc: int = 2) -> list[str]:
-    """The command line of an `nproc`-rank job running ``python -m module args`` on loopback
-    (torch.distributed.run with a free master port): trainer jobs and the construct benchmark."""
-    import socket
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", module, *args,
-    ]  # fmt: skip

@@ -1,15 +1,14 @@
 """Drive DCR on `vllm serve` engines over HTTP: a coordinator receiver handle and a local
 launcher.
 
-`HttpReceiver` is the `shared_codec.coordinator.Receiver` of one ``vllm serve`` engine (all its
+`HttpEngine` is the `shared_codec.coordination.coordinator.Receiver` of one ``vllm serve`` engine (all its
 ranks). It uses only vLLM's own HTTP API: ``POST /collective_rpc`` (the dev endpoints, enabled
 with ``VLLM_SERVER_DEV_MODE=1``) to call the ``dcr_`` RPCs, ``POST /reset_prefix_cache`` after
 every apply or dense load, and ``GET /health``. Payloads never pass through HTTP: ``dcr_fetch``
 makes every worker fetch the attempt from the object store named by the store spec.
 
-`ServeProcess` starts ``vllm serve MODEL --worker-extension-cls
-vllm_dcr_plugin.DCRWorkerExtension`` in its own process group on loopback (the demo, tests, and
-`HttpReceiver.restore` after a receiver died).
+A launcher (``dcr_tools.procs.ServeProcess`` for local engines) restarts a dead engine on
+`HttpEngine.restore`.
 
 Limitations:
 1. The dev endpoints must not be exposed beyond the trusted control network (vLLM warns at
@@ -21,28 +20,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from shared_codec.errors import DCRError
 
-EXTENSION = "vllm_dcr_plugin.DCRWorkerExtension"
 
-
-class ReceiverUnreachable(DCRError):
+class EngineUnreachable(DCRError):
     """The engine did not answer (connection refused or reset, timeout, HTTP error): it may be
     dead. The coordinator treats the receiver as unreachable and restores it."""
 
 
-class HttpReceiver:
+class HttpEngine:
     """Coordinator handle for one ``vllm serve`` engine (see the module docstring).
 
     `store`: store spec the workers fetch from; `checkpoint_for(version)`: a canonical
@@ -88,11 +80,11 @@ class HttpReceiver:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            raise ReceiverUnreachable(
+            raise EngineUnreachable(
                 f"receiver {self.name}: POST {path} -> HTTP {e.code}: {e.read()[:300]!r}"
             ) from None
         except (urllib.error.URLError, OSError) as e:
-            raise ReceiverUnreachable(
+            raise EngineUnreachable(
                 f"receiver {self.name} unreachable at {self.base_url}: {e}"
             ) from None
         return json.loads(raw) if raw else None
@@ -125,7 +117,7 @@ class HttpReceiver:
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache", None, 60)
 
-    # -- coordinator Receiver protocol -----------------------------------------------------------
+    # -- coordinator Engine protocol -----------------------------------------------------------
     def prewarm(self, version: int) -> list[dict[str, Any]]:
         return self.rpc("dcr_prewarm", self.tensors, version)
 
@@ -134,7 +126,7 @@ class HttpReceiver:
         default): one ``dcr_fetch`` call that applies each payload as it arrives, so it can be
         started while the owners still build. A fetch the engine answered with an error (a
         missing or rejected payload) is a failed ACK; an engine that does not answer raises
-        `ReceiverUnreachable`."""
+        `EngineUnreachable`."""
         faults, self.faults = self.faults, {}
         t0 = time.perf_counter()
         opts = None
@@ -156,7 +148,7 @@ class HttpReceiver:
                     opts,
                     timeout=timeout_s,
                 )
-            except ReceiverUnreachable:
+            except EngineUnreachable:
                 raise
             except DCRError as e:
                 self.last = {"ok": False, "error": f"fetch failed: {e}", "ranks": []}
@@ -222,88 +214,3 @@ class HttpReceiver:
         self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
         self.reset_prefix_cache()
         self.prewarm(version)
-
-
-class ServeProcess:
-    """A local ``vllm serve`` with the DCR worker extension, in its own process group."""
-
-    def __init__(
-        self,
-        model: str | os.PathLike[str],
-        port: int,
-        *,
-        log: str | os.PathLike[str],
-        env: dict[str, str] | None = None,
-        extra_args: list[str] | None = None,
-        served_name: str = "policy",
-    ) -> None:
-        self.model, self.port = str(model), int(port)
-        self.log, self.env = Path(log), env
-        self.extra_args = extra_args or []
-        self.served_name = served_name
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 300.0) -> str:
-        """Start the server and wait until ``/health`` answers; returns the base URL."""
-        self.stop()
-        vllm_bin = Path(sys.executable).with_name("vllm")
-        cmd = [
-            str(vllm_bin) if vllm_bin.exists() else "vllm",
-            "serve", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--enforce-eager",
-            "--max-model-len", "256", "--max-num-seqs", "4",
-            "--gpu-memory-utilization", "0.1", "--seed", "0",
-            "--served-model-name", self.served_name,
-            "--worker-extension-cls", EXTENSION,
-            *self.extra_args,
-        ]  # fmt: skip
-        env = dict(self.env if self.env is not None else os.environ)
-        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-        with open(self.log, "ab") as log_f:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout_s
-        probe = HttpReceiver("probe", self.base_url, store={}, checkpoint_for=str, tensors=[])
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise DCRError(
-                    f"vllm serve exited with {self.proc.returncode} during start; see {self.log}"
-                )
-            if probe.healthy(timeout=2.0):
-                return self.base_url
-            time.sleep(1.0)
-        self.stop()
-        raise DCRError(f"vllm serve did not become healthy in {timeout_s:.0f}s; see {self.log}")
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (a crash, for recovery tests)."""
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        """SIGTERM the process group, then SIGKILL what is left."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=30)
-        self.proc = None

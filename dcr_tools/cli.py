@@ -58,7 +58,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_fixture(args: argparse.Namespace) -> int:
-    from shared_codec.tiny_models import write_tiny_model
+    from dcr_tools.fixtures import write_tiny_model
 
     path = write_tiny_model(args.kind, args.path, seed=args.seed)
     print(f"wrote tiny {args.kind} checkpoint (seed {args.seed}) to {path}")
@@ -66,20 +66,20 @@ def cmd_fixture(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_codec(args: argparse.Namespace) -> int:
-    from shared_codec import bench_codec
+    from dcr_tools.bench import codec as bench_codec
 
     return bench_codec.main(args.json, args.table2_elements, args.payload_elements)
 
 
 def cmd_bench_apply(args: argparse.Namespace) -> int:
     # vLLM is imported only here: shared_codec itself never depends on it.
-    from vllm_dcr_plugin import bench_apply
+    from dcr_tools.bench import apply as bench_apply
 
     return bench_apply.main(args.json, args.size)
 
 
 def cmd_bench_refit(args: argparse.Namespace) -> int:
-    from vllm_dcr_plugin import bench_refit  # no vllm import: engines run as `vllm serve`
+    from dcr_tools.bench import refit as bench_refit  # no vllm import: engines run as `vllm serve`
 
     return bench_refit.main(args.json, args.size, args.gbit, args.nodes, args.bucket_mib)
 
@@ -88,10 +88,10 @@ def cmd_bench_construct(args: argparse.Namespace) -> int:
     # a 2-rank gloo job: megatron runs in its own processes, never in this one
     import subprocess
 
-    from shared_codec.control import torchrun_cmd
+    from dcr_tools.procs import torchrun_cmd
 
     extra = ["--json", args.json] if args.json else []
-    cmd = torchrun_cmd("megatron_dcr_hooks.bench_construct", ["--size", args.size, *extra])
+    cmd = torchrun_cmd("dcr_tools.bench.construct", ["--size", args.size, *extra])
     return subprocess.call(cmd)
 
 
@@ -167,8 +167,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from shared_codec.coordination.engines import HttpEngine  # HTTP only: no vllm import here
     from shared_codec.errors import DCRError
-    from vllm_dcr_plugin.remote import HttpReceiver  # HTTP only: no vllm import here
 
     if bool(args.checkpoint) != bool(args.reference):
         print("dcr verify: --checkpoint and --reference go together", file=sys.stderr)
@@ -178,15 +178,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
 
-    def handle(url: str) -> HttpReceiver:
-        return HttpReceiver(url, url, store={}, checkpoint_for=str, tensors=[])
+    def handle(url: str) -> HttpEngine:
+        return HttpEngine(url, url, store={}, checkpoint_for=str, tensors=[])
 
     out: dict = {"receivers": {}, "ok": True}
     try:
         digests = {u: handle(u).digest() for u in args.receivers}
         out["receivers"] = {u: {"digest": d} for u, d in digests.items()}
         if args.store:
-            from shared_codec.commit import CommitLog
+            from shared_codec.coordination.commit import CommitLog
             from shared_codec.transport.store import open_store
 
             rec = CommitLog(open_store(args.store)).current()
@@ -238,13 +238,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from vllm_dcr_plugin import demo
+    from dcr_tools import demo
 
     return demo.run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared_codec.tiny_models import KINDS
+    from dcr_tools.fixtures import KINDS
 
     parser = argparse.ArgumentParser(
         prog="dcr",
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_verify)
 
-    from vllm_dcr_plugin import demo  # light: no vllm or megatron import (they run as processes)
+    from dcr_tools import demo  # light: no vllm or megatron import (they run as processes)
 
     p = sub.add_parser(
         "demo",

@@ -45,13 +45,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dcr_tools.bench.apply import MEDIUM, SMALL
+from dcr_tools.procs import ServeProcess, base_env, free_port, torchrun_cmd
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners, torchrun_cmd
-from shared_codec.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.coordination.engines import HttpEngine
+from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.transport.store import DirectoryStore, ThrottledStore
-from vllm_dcr_plugin.bench_apply import MEDIUM, SMALL
-from vllm_dcr_plugin.demo import _env, _free_port
-from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
 
 
 def run(
@@ -61,7 +61,7 @@ def run(
     nodes: int = 1,
     bucket_mib: float = 2.0,
 ) -> dict[str, Any]:
-    from shared_codec.tiny_models import write_tiny_model
+    from dcr_tools.fixtures import write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-refit-"))
     procs: list[subprocess.Popen[bytes]] = []
@@ -72,14 +72,14 @@ def run(
         dims = MEDIUM if size == "medium" else SMALL
         model = write_tiny_model("qwen3", work / "model", seed=0, **dims)
         spec = {"kind": "dir", "root": str(work / "store"), "bandwidth_bytes_per_s": bw}
-        env = _env()
-        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        env = base_env(VLLM_SERVER_DEV_MODE="1")
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
         print(f"[bench refit] {size} model; links of {gbit} Gbit/s; starting processes", flush=True)
         trainer_log = open(work / "trainer.log", "wb")  # noqa: SIM115
         procs.append(
             subprocess.Popen(
                 torchrun_cmd(
-                    "megatron_dcr_hooks.rl_trainer",
+                    "dcr_tools.trainers.rl_job",
                     [
                         "--ckpt",
                         str(model),
@@ -100,7 +100,7 @@ def run(
             )
         )
         servers = [
-            ServeProcess(model, _free_port(), log=work / f"engine{i}.log", env=env)
+            ServeProcess(model, free_port(), log=work / f"engine{i}.log", env=env)
             for i in range(nodes)
         ]
         urls = [s.start(timeout_s=900) for s in servers]
@@ -112,7 +112,7 @@ def run(
         ckpt_bytes = sum(f.stat().st_size for f in v0.glob("*.safetensors"))
         table = tensor_table(v0)
         receivers = [
-            HttpReceiver(
+            HttpEngine(
                 f"engine{i}",
                 url,
                 store=spec,
@@ -191,7 +191,7 @@ def _one(
     mode: str,
     rate: float,
     owners: RemoteOwners,
-    receivers: list[HttpReceiver],
+    receivers: list[HttpEngine],
     ckpts: Path,
     work: Path,
     bw: float,
@@ -257,7 +257,7 @@ def _bound(rows: list[dict[str, Any]], bw: float) -> None:
 
 
 def reference(
-    work: Path, ckpt: Path, receiver: HttpReceiver, bw: float, nodes: int, version: int
+    work: Path, ckpt: Path, receiver: HttpEngine, bw: float, nodes: int, version: int
 ) -> dict[str, float]:
     """Move the whole checkpoint over the same links, then dense-load it on one engine."""
     files = sorted(ckpt.glob("*.safetensors"))

@@ -1,8 +1,8 @@
 """The coordinator: drives one refit transition (committed v-1 -> v) through owners and
-receivers to a joint commit, retrying failed attempts with overwrites.
+engines to a joint commit, retrying failed attempts with overwrites.
 
-Who calls what (the coordinator is the only caller; owners and receivers are handles that fan
-out to every trainer rank / every receiver rank behind them):
+Who calls what (the coordinator is the only caller; owners and engines are handles that fan
+out to every trainer rank / every engine rank behind them):
 
 1. ``prepare``: read the commit record (the committed version c; the target is c+1) and reserve
    an attempt id with a create-only attempt record ``attempts/v<v>/a<a>.json`` in the control
@@ -11,25 +11,25 @@ out to every trainer rank / every receiver rank behind them):
    overwrites of the complete changed set from the same candidate weights.
 2. ``owners.build(v, a, retry)``: owners construct and publish the attempt's payloads and the
    manifest. A failure here fails the attempt.
-3. ``open_apply``: every required receiver gets the attempt delivered (fetched / streamed and
+3. ``open_apply``: every required engine gets the attempt delivered (fetched / streamed and
    staged) and applies it (``dcr_apply``), concurrently, each within its deadline. An ACK that is
-   not ok, a raised error, or a missed deadline fails the attempt and names the receiver.
+   not ok, a raised error, or a missed deadline fails the attempt and names the engine.
    Pipelined (the default when the coordinator can abandon an attempt: given the
-   `payload_store` or an `abandon` callable): the receivers' apply calls start together with
-   ``owners.build``, so receivers fetch and apply payload l while owners still build l + 1 (the
+   `payload_store` or an `abandon` callable): the engines' apply calls start together with
+   ``owners.build``, so engines fetch and apply payload l while owners still build l + 1 (the
    paper's Figure 8); if the build fails, the coordinator abandons the attempt (a marker in the
-   store, or an ``abandon`` message down the relay tree) so waiting receivers stop at once
+   store, or an ``abandon`` message down the relay tree) so waiting engines stop at once
    (their partial applies make them dirty; the fence and the overwrite retry repair that).
-4. Joint commit: only when every required receiver ACKed ok, the coordinator compare-and-sets
-   the commit record (version, baseline id, attempt, receivers, per-receiver digests). Then
-   receivers and owners are told to commit (owners advance their baselines in place).
+4. Joint commit: only when every required engine ACKed ok, the coordinator compare-and-sets
+   the commit record (version, baseline id, attempt, engines, per-engine digests). Then
+   engines and owners are told to commit (owners advance their baselines in place).
 
-Failure handling: a failed attempt is fenced on every reachable receiver (``abort``: its staged
-and late payloads are refused by attempt id) and on the owners; receivers that failed are
+Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
+and late payloads are refused by attempt id) and on the owners; engines that failed are
 restored to the committed version with a dense load (restarting them where the handle can) -
 membership changes only here, between attempts; then the next attempt (a retry) starts. After
 ``max_attempts`` the transition raises `RefitFailed` and leaves the committed version in force
-(receivers that applied part of it are dirty until a later retry or dense load repairs them).
+(engines that applied part of it are dirty until a later retry or dense load repairs them).
 
 A new coordinator calls `resume()`: if the commit record is ahead of the participants (the old
 coordinator died after the compare-and-set), it finishes the commit on them; otherwise the next
@@ -40,7 +40,7 @@ other gets `CommitConflict` and tells nobody to commit.
 Limitations:
 1. One transition at a time per control store (attempt ids are reserved create-only, so two
    coordinators never share an attempt, but they would still race on the participants).
-2. Deadlines are enforced by the coordinator; a receiver that misses one keeps running the call
+2. Deadlines are enforced by the coordinator; an engine that misses one keeps running the call
    until its handle gives up (handles should pass the deadline on as their own timeout).
 """
 
@@ -55,7 +55,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared_codec.commit import CommitConflict, CommitLog, CommitRecord
+from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
 from shared_codec.errors import DCRError
 from shared_codec.transport.store import ObjectStore
 
@@ -65,7 +65,7 @@ _log = logging.getLogger("dcr.coordinator")
 
 class RefitFailed(DCRError):
     """Every attempt of a transition failed. State left behind: the committed version is
-    unchanged in the commit record and on the owners; receivers may be dirty (a later
+    unchanged in the commit record and on the owners; engines may be dirty (a later
     overwrite retry or a dense load of the committed version repairs them)."""
 
 
@@ -82,8 +82,8 @@ class Owners(Protocol):
     def abort(self, version: int, attempt: int) -> None: ...
 
 
-class Receiver(Protocol):
-    """One rollout engine (all its ranks). Implementations: `vllm_dcr_plugin.remote`."""
+class Engine(Protocol):
+    """One rollout engine (all its ranks). Implementations: `shared_codec.coordination.engines`."""
 
     name: str
 
@@ -98,22 +98,22 @@ class Receiver(Protocol):
     def digest(self) -> str: ...
 
     def restore(self, version: int) -> None:
-        """Bring this receiver (restarting it if it died) to committed `version` by a dense
+        """Bring this engine (restarting it if it died) to committed `version` by a dense
         load, ready to take the next attempt."""
         ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
-    """`max_attempts` per transition; `ack_timeout_s`: deadline for each receiver's delivery +
-    apply; `record_digests`: read every receiver's digest into the commit record (a full hash of
+    """`max_attempts` per transition; `ack_timeout_s`: deadline for each engine's delivery +
+    apply; `record_digests`: read every engine's digest into the commit record (a full hash of
     the weights on every rank: cheap for small models, seconds for large ones); `pipeline`: overlap
-    the receivers' delivery + apply with the owners' build (module docstring, step 3)."""
+    the engines' delivery + apply with the owners' build (module docstring, step 3)."""
 
     max_attempts: int = 3
     ack_timeout_s: float = 600.0
     record_digests: bool = True
-    pipeline: bool = True  # start receivers with the build (needs a way to abandon attempts)
+    pipeline: bool = True  # start engines with the build (needs a way to abandon attempts)
 
 
 @dataclass
@@ -152,23 +152,23 @@ class Coordinator:
         self,
         control: ObjectStore,
         owners: Owners,
-        receivers: list[Receiver],
+        engines: list[Engine],
         config: CoordinatorConfig | None = None,
         log: Callable[[str], None] | None = None,
         payload_store: ObjectStore | None = None,
         abandon: Callable[[int, int, str], None] | None = None,
     ) -> None:
         """`control`: where the commit and attempt records live. Pipelining needs a way to tell
-        waiting receivers that an attempt was given up: `payload_store` (the object store the
+        waiting engines that an attempt was given up: `payload_store` (the object store the
         owners publish to: the abandon marker is written there) or `abandon(version, attempt,
         reason)` (e.g. ``RelaySender(root).abandon`` for relay-tree delivery)."""
-        names = [r.name for r in receivers]
+        names = [r.name for r in engines]
         if len(set(names)) != len(names):
-            raise ValueError(f"receiver names must be unique, got {names}")
+            raise ValueError(f"engine names must be unique, got {names}")
         self.control = control
         self.commits = CommitLog(control)
         self.owners = owners
-        self.receivers = list(receivers)
+        self.engines = list(engines)
         self.config = config or CoordinatorConfig()
         self.log = log or _log.info
         if abandon is None and payload_store is not None:
@@ -192,13 +192,13 @@ class Coordinator:
         cur = self.commits.current()
         if cur is not None:
             return cur
-        digests = {r.name: r.digest() for r in self.receivers} if self.config.record_digests else {}
+        digests = {r.name: r.digest() for r in self.engines} if self.config.record_digests else {}
         record = CommitRecord(
             version=0,
             base_version=0,
             baseline_id=baseline_id,
             attempt=0,
-            receivers=tuple(r.name for r in self.receivers),
+            receivers=tuple(r.name for r in self.engines),
             digests=digests,
         )
         try:
@@ -218,7 +218,7 @@ class Coordinator:
         cur = self.commits.current()
         if cur is None:
             raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
-        for r in self.receivers:
+        for r in self.engines:
             r.commit(cur.version)
         self.owners.commit(cur.version)
         return cur.version
@@ -264,7 +264,7 @@ class Coordinator:
         self.log(f"version {version} attempt {attempt}{' (retry: overwrites)' if retry else ''}")
         pipelined = self.config.pipeline and self.abandon is not None
         timeout = self.config.ack_timeout_s
-        pool = ThreadPoolExecutor(max_workers=max(1, len(self.receivers)))
+        pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
         futures: dict[str, Any] = {}
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
@@ -272,7 +272,7 @@ class Coordinator:
         def open_apply() -> None:
             nonlocal deadline
             deadline = time.monotonic() + timeout
-            for r in self.receivers:
+            for r in self.engines:
                 futures[r.name] = pool.submit(r.apply, version, attempt, timeout)
 
         if pipelined:
@@ -285,7 +285,7 @@ class Coordinator:
                 assert self.abandon is not None
                 try:
                     self.abandon(version, attempt, res.failed["owners"])
-                except Exception as e:  # receivers then run into their deadline
+                except Exception as e:  # engines then run into their deadline
                     self.log(f"version {version} attempt {attempt}: abandon failed: {e}")
                 self._collect(res, futures, deadline)
             pool.shutdown(wait=False, cancel_futures=True)
@@ -296,7 +296,7 @@ class Coordinator:
             open_apply()
         self._collect(res, futures, deadline)
         pool.shutdown(wait=False, cancel_futures=True)
-        # pipelined: only the tail after the build (the receivers' work overlapped it)
+        # pipelined: only the tail after the build (the engines' work overlapped it)
         res.seconds["apply"] = time.perf_counter() - t1
         res.ok = not res.failed
         if not res.ok:
@@ -321,20 +321,20 @@ class Coordinator:
                 res.failed[name] = str(ack.get("error") or "ACK not ok")
 
     def _commit(self, version: int, committed: int, res: AttemptResult) -> CommitRecord:
-        digests = {r.name: r.digest() for r in self.receivers} if self.config.record_digests else {}
+        digests = {r.name: r.digest() for r in self.engines} if self.config.record_digests else {}
         record = CommitRecord(
             version=version,
             base_version=committed,
             baseline_id=str(res.owners.get("baseline_id", "")),
             attempt=res.attempt,
-            receivers=tuple(r.name for r in self.receivers),
+            receivers=tuple(r.name for r in self.engines),
             digests=digests,
         )
         record = self.commits.commit(committed, record)  # CommitConflict: tell nobody to commit
         # the record is durable: tell every participant at once (a failure here is finished by
         # `resume`, where repeated commits are no-ops)
-        with ThreadPoolExecutor(max_workers=len(self.receivers) + 1) as pool:
-            futures = [pool.submit(r.commit, version) for r in self.receivers]
+        with ThreadPoolExecutor(max_workers=len(self.engines) + 1) as pool:
+            futures = [pool.submit(r.commit, version) for r in self.engines]
             futures.append(pool.submit(self.owners.commit, version))
             for f in futures:
                 f.result()
@@ -343,18 +343,18 @@ class Coordinator:
 
     def _fence_earlier(self, version: int) -> None:
         """Attempts of `version` reserved by an earlier coordinator: refuse their late payloads
-        (a receiver that cannot be reached now fails the next attempt and is restored then)."""
+        (an engine that cannot be reached now fails the next attempt and is restored then)."""
         for a in self.attempts_of(version):
-            for r in self.receivers:
+            for r in self.engines:
                 try:
                     r.abort(a)
                 except Exception as e:
                     self.log(f"could not fence attempt {a} on {r.name}: {e}")
 
     def _fence(self, version: int, res: AttemptResult) -> None:
-        """Stop a failed attempt everywhere, then restore the receivers that failed."""
+        """Stop a failed attempt everywhere, then restore the engines that failed."""
         committed = version - 1
-        for r in self.receivers:
+        for r in self.engines:
             if r.name in res.unreachable:
                 continue
             try:
@@ -366,11 +366,11 @@ class Coordinator:
             self.owners.abort(version, res.attempt)
         except Exception as e:
             raise RefitFailed(f"owners could not abort attempt {res.attempt}: {e}") from e
-        for r in self.receivers:  # alive-but-failed receivers are repaired by the overwrite retry
+        for r in self.engines:  # alive-but-failed engines are repaired by the overwrite retry
             if r.name in res.unreachable:
-                self.log(f"restoring receiver {r.name} to committed version {committed}")
+                self.log(f"restoring engine {r.name} to committed version {committed}")
                 r.restore(committed)
-                for a in self.attempts_of(version):  # a restored receiver forgot its fences
+                for a in self.attempts_of(version):  # a restored engine forgot its fences
                     r.abort(a)
 
 
@@ -380,7 +380,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "Owners",
-    "Receiver",
+    "Engine",
     "RefitFailed",
     "RefitResult",
 ]

@@ -83,9 +83,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from dcr_tools.fixtures import hf_config, spec_for
+    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
-    from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
-    from shared_codec.tiny_models import hf_config, spec_for
 
     rank = dist.get_rank()
     layout = ParallelLayout(tp=2)

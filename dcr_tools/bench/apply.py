@@ -48,11 +48,11 @@ SMALL = {
 def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> dict[str, Any]:
     from vllm import LLM
 
+    from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta
     from shared_codec.records import Kind, diff_tensors
-    from shared_codec.tiny_models import perturb_checkpoint, write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
     dims = MEDIUM if size == "medium" else SMALL

@@ -1,5 +1,5 @@
 """A Megatron trainer job that serves DCR: ``python -m torch.distributed.run --nproc_per_node N
--m megatron_dcr_hooks.rl_trainer --ckpt HF_DIR --tp T --endpoint tcp://HOST:PORT (--store SPEC |
+-m dcr_tools.trainers.rl_job --ckpt HF_DIR --tp T --endpoint tcp://HOST:PORT (--store SPEC |
 --relay tcp://ROOT:PORT)``.
 
 Every rank loads the HF checkpoint into a GPTModel through the bridge (`trainer.py`), attaches
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
     args = ap.parse_args(argv)
 
-    from megatron_dcr_hooks.trainer import Trainer, start
+    from dcr_tools.trainers.trainer import Trainer, start
 
     cfg, model, _ = start(args.ckpt, args.tp, 1)
     from megatron_dcr_hooks.conversion import export_hf_weights
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"path": req["path"], "tensors": len(tensors)}
 
     def inject(req: dict[str, Any]) -> dict[str, Any]:
-        from megatron_dcr_hooks.bench_construct import inject as perturb
+        from dcr_tools.bench.construct import inject as perturb
 
         perturb(model, float(req["rate"]), int(req.get("seed", 0)))
         return {"rate": float(req["rate"])}

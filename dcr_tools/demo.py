@@ -1,7 +1,7 @@
 """``dcr demo`` / ``make demo``: an RL loop refit by DCR after every step, checked bit for bit.
 
 On one machine, with embedded defaults: the tiny Qwen3 fixture; a trainer job of 2 Megatron
-ranks (TP=2, gloo) serving the DCR owner service (`megatron_dcr_hooks.rl_trainer`); a rollout
+ranks (TP=2, gloo) serving the DCR owner service (`dcr_tools.trainers.rl_job`); a rollout
 engine (``vllm serve`` with the DCR worker extension) and a reference engine that is
 dense-loaded with the trainer's export after every step; a store for payloads, manifests, attempt
 and commit records (see Transports below).
@@ -45,12 +45,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dcr_tools.procs import ServeProcess, base_env, free_port, torchrun_cmd
 from shared_codec.checkpoint import tensor_table
-from shared_codec.control import RemoteOwners, torchrun_cmd
-from shared_codec.coordinator import Coordinator, CoordinatorConfig, RefitFailed
+from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig, RefitFailed
+from shared_codec.coordination.engines import HttpEngine
+from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError
 from shared_codec.transport.store import open_store
-from vllm_dcr_plugin.remote import HttpReceiver, ServeProcess
 
 PROMPTS = [
     "The policy update",
@@ -58,30 +59,6 @@ PROMPTS = [
     "Only the changed bits",
     "A refit is exact when",
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    """The environment for the demo's child processes (offline hub, small KV cache, dev API)."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_SERVER_DEV_MODE": "1",
-        }
-    )
-    return env
 
 
 def reward_of(tokens: list[int]) -> float:
@@ -139,7 +116,7 @@ class Demo:
             return {"kind": "dir", "root": str(self.work / "store")}
         endpoint = a.endpoint
         if not endpoint:
-            port = _free_port()
+            port = free_port()
             log = open(self.work / "moto.log", "wb")  # noqa: SIM115
             exe = Path(sys.executable).with_name("moto_server")
             self.procs.append(
@@ -179,8 +156,8 @@ class Demo:
     def _start_relay_tree(self) -> str:
         """A root relay node (the rollout cluster's entry) and one child node on the rollout
         engine's host that spools payloads for it; returns the root's address."""
-        child_addr = f"tcp://127.0.0.1:{_free_port()}"
-        root_addr = f"tcp://127.0.0.1:{_free_port()}"
+        child_addr = f"tcp://127.0.0.1:{free_port()}"
+        root_addr = f"tcp://127.0.0.1:{free_port()}"
         nodes = [
             ("rollout0", child_addr, []),
             ("root", root_addr, [["rollout0", child_addr, None]]),
@@ -206,7 +183,7 @@ class Demo:
         return root_addr
 
     def start(self) -> None:
-        from shared_codec.tiny_models import write_tiny_model
+        from dcr_tools.fixtures import write_tiny_model
 
         if self.work.exists():
             shutil.rmtree(self.work)
@@ -223,14 +200,14 @@ class Demo:
             self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
             self.store = open_store(self.spec)
             transport_args = ["--store", json.dumps(self.spec)]
-        env = _env()
-        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        env = base_env(VLLM_SERVER_DEV_MODE="1")
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
         trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115
         self.procs.append(
             subprocess.Popen(
                 torchrun_cmd(
-                    "megatron_dcr_hooks.rl_trainer",
+                    "dcr_tools.trainers.rl_job",
                     [
                         "--ckpt",
                         str(model),
@@ -250,7 +227,7 @@ class Demo:
             )
         )
         self.servers = [
-            ServeProcess(model, _free_port(), log=self.work / f"{name}.log", env=env)
+            ServeProcess(model, free_port(), log=self.work / f"{name}.log", env=env)
             for name in ("rollout", "reference")
         ]
         urls = [s.start(timeout_s=600) for s in self.servers]
@@ -259,7 +236,7 @@ class Demo:
         self.owners.call("export", path=self.ckpt(0))
         table = tensor_table(self.ckpt(0))
         self.rollout, self.reference = (
-            HttpReceiver(
+            HttpEngine(
                 name,
                 url,
                 store=self.spec,

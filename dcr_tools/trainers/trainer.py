@@ -30,8 +30,8 @@ def start(ckpt: str, tp: int, ep: int) -> tuple[dict, Any, dict[str, torch.Tenso
     dist.init_process_group("gloo")
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
     from megatron_dcr_hooks.conversion import hf_getter, load_hf_weights
-    from megatron_dcr_hooks.model import ParallelLayout, build_gpt_model
     from shared_codec.checkpoint import load_checkpoint
 
     ParallelLayout(tp=tp, ep=ep).initialize()

@@ -1,0 +1,228 @@
+"""Process helpers for tests, the demo and the benchmarks: free loopback ports, the child
+environment, bounded subprocess runs, torchrun command lines and a local ``vllm serve``.
+
+Every program is started in its own session (process group) and the whole group is killed on
+timeout or when the test ends, so no engine or rank outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared_codec.coordination.engines import HttpEngine
+from shared_codec.errors import DCRError
+
+REPO = Path(__file__).resolve().parents[1]
+EXTENSION = "vllm_dcr_plugin.DCRWorkerExtension"
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The environment for child programs: offline hub, repo on PYTHONPATH, small KV cache."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+                os.pathsep
+            ),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Terminate a child's whole process group (SIGTERM, then SIGKILL), even when the leader
+    already exited (its engine or rank children may still run)."""
+
+    def group_alive() -> bool:
+        proc.poll()  # reap the leader, or it stays a zombie member of the group
+        try:
+            os.killpg(proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_alive():
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and group_alive():
+            time.sleep(0.1)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_program(
+    args: list[str], *, timeout: float, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `args` to completion with a hard timeout; raise AssertionError with the log tail
+    when it fails or times out."""
+    log_f = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115
+    proc = subprocess.Popen(
+        args,
+        cwd=REPO,
+        env=env or base_env(),
+        stdout=log_f,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise AssertionError(
+            f"{args[:4]} timed out after {timeout:.0f}s; log: {_tail(log)}"
+        ) from None
+    finally:
+        kill_group(proc)
+        if not isinstance(log_f, int):
+            log_f.close()
+    text = out if out is not None else ""
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args[:6])} exited {proc.returncode} after "
+            f"{time.monotonic() - start:.0f}s:\n{_tail(log) if log else text[-6000:]}"
+        )
+    return subprocess.CompletedProcess(args, proc.returncode, text, "")
+
+
+def _tail(log: Path | None, n: int = 6000) -> str:
+    if log is None or not log.exists():
+        return "<no log>"
+    return log.read_text(errors="replace")[-n:]
+
+
+PYTHON = sys.executable
+
+
+def torchrun_cmd(module: str, args: list[str], nproc: int = 2) -> list[str]:
+    """The command line of an `nproc`-rank job running ``python -m module args`` on loopback
+    (torch.distributed.run with a free master port): trainer jobs and the construct benchmark."""
+    return [
+        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args,
+    ]  # fmt: skip
+
+
+def run_torchrun(
+    script: Path, args: list[str], *, tmp: Path, timeout: float = 420, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    """Run `script` as an `nproc`-rank gloo job (torch.distributed.run) on loopback."""
+    cmd = [
+        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
+    ]  # fmt: skip
+    return run_program(
+        cmd, timeout=timeout, env=base_env(OMP_NUM_THREADS="1"), log=tmp / "ranks.log"
+    )
+
+
+class ServeProcess:
+    """A local ``vllm serve`` with the DCR worker extension, in its own process group."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        port: int,
+        *,
+        log: str | os.PathLike[str],
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+        served_name: str = "policy",
+    ) -> None:
+        self.model, self.port = str(model), int(port)
+        self.log, self.env = Path(log), env
+        self.extra_args = extra_args or []
+        self.served_name = served_name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Start the server and wait until ``/health`` answers; returns the base URL."""
+        self.stop()
+        vllm_bin = Path(sys.executable).with_name("vllm")
+        cmd = [
+            str(vllm_bin) if vllm_bin.exists() else "vllm",
+            "serve", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "256", "--max-num-seqs", "4",
+            "--gpu-memory-utilization", "0.1", "--seed", "0",
+            "--served-model-name", self.served_name,
+            "--worker-extension-cls", EXTENSION,
+            *self.extra_args,
+        ]  # fmt: skip
+        env = dict(self.env if self.env is not None else os.environ)
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        with open(self.log, "ab") as log_f:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        probe = HttpEngine("probe", self.base_url, store={}, checkpoint_for=str, tensors=[])
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DCRError(
+                    f"vllm serve exited with {self.proc.returncode} during start; see {self.log}"
+                )
+            if probe.healthy(timeout=2.0):
+                return self.base_url
+            time.sleep(1.0)
+        self.stop()
+        raise DCRError(f"vllm serve did not become healthy in {timeout_s:.0f}s; see {self.log}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, for recovery tests)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, then SIGKILL what is left."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.proc = None

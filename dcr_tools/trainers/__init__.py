@@ -1,0 +1,2 @@
+"""Reference Megatron trainers on CPU: a GPTModel builder (`model`), a small policy-gradient
+trainer (`trainer`) and the RL trainer job that serves the DCR owner service (`rl_job`)."""
