@@ -4,7 +4,17 @@ It imports neither vLLM nor Megatron. Optional dependencies (boto3, pyzmq, safet
 tokenizers) are imported inside the modules or functions that need them.
 """
 
-from shared_codec.errors import DCRError, LoaderConditionError, PayloadError, ProtocolError
+from shared_codec.errors import (
+    CommitConflict,
+    CompatibilityError,
+    DCRError,
+    EngineUnreachable,
+    LoaderConditionError,
+    PayloadError,
+    ProtocolError,
+    RefitFailed,
+    TransportError,
+)
 
 __version__ = "0.1.0"
 
@@ -12,7 +22,12 @@ __version__ = "0.1.0"
 FORMAT_VERSION = 1
 
 __all__ = [
+    "CommitConflict",
+    "CompatibilityError",
     "DCRError",
+    "EngineUnreachable",
+    "RefitFailed",
+    "TransportError",
     "FORMAT_VERSION",
     "LoaderConditionError",
     "PayloadError",

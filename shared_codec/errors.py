@@ -1,6 +1,19 @@
-"""The DCR exception hierarchy.
+"""The DCR exception hierarchy: every exception DCR raises on a product path is defined here.
 
 Every error says what state a failure leaves behind, so callers know whether a retry is safe.
+User errors in configuration objects are `ValueError` (a config that cannot be built); errors at
+an RPC or wire boundary are `ProtocolError` / `PayloadError`.
+
+    DCRError
+    ├── PayloadError          a payload failed validation (nothing staged or applied)
+    ├── ProtocolError         a call out of order or with bad arguments (nothing changed)
+    ├── LoaderConditionError  the loader path cannot apply exactly (refused at prewarm, or the
+    │                         attempt failed and needs an overwrite retry)
+    ├── CompatibilityError    a dependency version the compatibility layers were not checked on
+    ├── TransportError        a transport operation failed after its retries
+    ├── CommitConflict        the commit compare-and-set lost
+    ├── EngineUnreachable     a rollout engine did not answer
+    └── RefitFailed           every attempt of a transition failed
 """
 
 
@@ -36,3 +49,25 @@ class CompatibilityError(DCRError):
 
     State left behind: nothing was patched.
     """
+
+
+class TransportError(DCRError):
+    """A transport operation failed after its retries. State left behind: objects already
+    written stay (uploads are idempotent by key); the attempt must be failed and retried."""
+
+
+class CommitConflict(DCRError):
+    """The compare-and-set failed: another coordinator committed first (or the expected
+    version is not the current one). State left behind: the winner's record; nothing of ours."""
+
+
+class EngineUnreachable(DCRError):
+    """The engine did not answer (connection refused or reset, timeout, HTTP error): it may be
+    dead. State left behind: unknown on that engine (it may hold a partial apply); the
+    coordinator fails the attempt and restores the engine to the committed version."""
+
+
+class RefitFailed(DCRError):
+    """Every attempt of a transition failed. State left behind: the committed version is
+    unchanged in the commit record and on the owners; engines may be dirty (a later
+    overwrite retry or a dense load of the committed version repairs them)."""

@@ -19,16 +19,11 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from shared_codec.errors import DCRError
+from shared_codec.errors import CommitConflict, DCRError
 from shared_codec.transport.store import ObjectStore
 
 RECORD_FORMAT = 1
 PREFIX = "commits/"
-
-
-class CommitConflict(DCRError):
-    """The compare-and-set failed: another coordinator committed first (or the expected
-    version is not the current one). State left behind: the winner's record; nothing of ours."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

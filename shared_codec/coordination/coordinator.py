@@ -56,17 +56,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
-from shared_codec.errors import DCRError
+from shared_codec.errors import DCRError, RefitFailed
 from shared_codec.transport.store import ObjectStore
 
 ATTEMPTS = "attempts/"
 _log = logging.getLogger("dcr.coordinator")
-
-
-class RefitFailed(DCRError):
-    """Every attempt of a transition failed. State left behind: the committed version is
-    unchanged in the commit record and on the owners; engines may be dirty (a later
-    overwrite retry or a dense load of the committed version repairs them)."""
 
 
 class Owners(Protocol):

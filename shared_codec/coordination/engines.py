@@ -26,12 +26,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shared_codec.errors import DCRError
-
-
-class EngineUnreachable(DCRError):
-    """The engine did not answer (connection refused or reset, timeout, HTTP error): it may be
-    dead. The coordinator treats the receiver as unreachable and restores it."""
+from shared_codec.errors import DCRError, EngineUnreachable
 
 
 class HttpEngine:

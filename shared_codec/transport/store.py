@@ -27,14 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from shared_codec.errors import DCRError
+from shared_codec.errors import TransportError
 
 T = TypeVar("T")
-
-
-class TransportError(DCRError):
-    """A transport operation failed after its retries. State left behind: objects already
-    written stay (uploads are idempotent by key); the attempt must be failed and retried."""
 
 
 class ObjectStore(Protocol):
