@@ -59,11 +59,6 @@ def _rpc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _opt_int(v: Any) -> int | None:
-    """Optional ints arrive as ints, or as strings through vLLM's HTTP ``/collective_rpc``."""
-    return None if v is None or v == "" else int(v)
-
-
 def _bool(v: Any) -> bool:
     return v.lower() in ("1", "true", "yes") if isinstance(v, str) else bool(v)
 
@@ -146,41 +141,24 @@ class DCRWorkerExtension:
         version: int,
         attempt: int,
         timeout_s: float = 60.0,
-        kill_after_payloads: int | None = None,
         apply: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Fetch the attempt's payloads from an object store and stage them. `store` is a JSON
         store spec (``{"kind": "dir", "root": ...}`` or ``{"kind": "s3", "bucket": ...,
         "endpoint_url": ...}``); every rank fetches for itself. With `apply` (``{"verify":
         bool}``) the fetch is pipelined: payloads are fetched as they appear and each is applied
-        once staged; the attempt's ACK is returned under ``"ack"``. `kill_after_payloads`, and
-        `apply`'s ``fail_after_items`` / ``kill_after_items``: recovery tests only."""
+        once staged; the attempt's ACK is returned under ``"ack"``."""
         if apply is not None and not isinstance(apply, dict):
             raise ValueError(f"dcr_fetch: apply must be a dict or None, got {type(apply).__name__}")
         return self._dcr_receiver().fetch(
-            store,
-            int(version),
-            int(attempt),
-            float(timeout_s),
-            _opt_int(kill_after_payloads),
-            apply,
+            store, int(version), int(attempt), float(timeout_s), apply
         )
 
     @_rpc
-    def dcr_apply(
-        self,
-        attempt: int,
-        verify: bool = False,
-        fail_after_items: int | None = None,
-        kill_after_items: int | None = None,
-    ) -> dict[str, Any]:
+    def dcr_apply(self, attempt: int, verify: bool = False) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
-        reports items, elements, bytes, timings and post-apply mismatches (``verify``).
-        `fail_after_items` / `kill_after_items` inject a failure / a process kill part-way
-        (recovery tests only)."""
-        return self._dcr_receiver().apply(
-            int(attempt), _bool(verify), _opt_int(fail_after_items), _opt_int(kill_after_items)
-        )
+        reports items, elements, bytes, timings and post-apply mismatches (``verify``)."""
+        return self._dcr_receiver().apply(int(attempt), _bool(verify))
 
     @_rpc
     def dcr_commit(self, version: int) -> dict[str, Any]:
