@@ -8,8 +8,8 @@ manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch):
 their objects or spool files appear, before the manifest; object-store payloads are fetched by
 a background thread (`prefetched`) so the transport's waits overlap the caller's applies.
 
-Limitations:
-1. A spec that names neither a store nor a spool raises the store's ``ValueError``/``KeyError``.
+A spec that `open_store` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
+validates specs before that (extension.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from shared_codec.errors import ProtocolError
 
 
 def attempt_source(
@@ -38,7 +40,11 @@ def attempt_source(
         if streaming:  # as they arrive, until the node's manifest notice
             return stream_spool(str(spec["root"]), version, attempt, timeout_s)
         return read_spool(str(spec["root"]), version, attempt)
-    fetcher = ObjectFetcher(open_store(spec), key=key)
+    try:
+        store = open_store(spec)
+    except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
+        raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
+    fetcher = ObjectFetcher(store, key=key)
     if streaming:  # fetched in a thread: the link's wait overlaps applies
         return prefetched(
             lambda stop: fetcher.stream(version, attempt, timeout_s, cancelled=stop.is_set)
