@@ -52,6 +52,7 @@ from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError
 from shared_codec.transport.store import open_store
+from vllm_dcr_plugin import faults
 
 PROMPTS = [
     "The policy update",
@@ -102,6 +103,7 @@ class Demo:
         self.args = args
         self.out = Path(args.out).resolve()
         self.work = self.out / "work"
+        self.fault_plan = self.work / "faults-rollout.json"  # armed by --kill-every
         self.procs: list[subprocess.Popen[bytes]] = []
         self.servers: list[ServeProcess] = []
         self.owners: RemoteOwners | None = None
@@ -226,8 +228,15 @@ class Demo:
                 start_new_session=True,
             )
         )
+        # --kill-every arms a test-only fault plan (vllm_dcr_plugin.faults) the rollout names
+        plan = {faults.ENV: str(self.fault_plan)}
         self.servers = [
-            ServeProcess(model, free_port(), log=self.work / f"{name}.log", env=env)
+            ServeProcess(
+                model,
+                free_port(),
+                log=self.work / f"{name}.log",
+                env={**env, **plan} if name == "rollout" else env,
+            )
             for name in ("rollout", "reference")
         ]
         urls = [s.start(timeout_s=600) for s in self.servers]
@@ -295,7 +304,7 @@ class Demo:
         killed = bool(a.kill_every and step % a.kill_every == 0)
         if a.refit == "dcr":
             if killed:
-                self.rollout.faults = {"kill_after_items": 2}
+                faults.arm(self.fault_plan, kill_after_items=2)
             res = self.coord.refit()
             last = res.attempts[-1]
             row.update(

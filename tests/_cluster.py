@@ -15,6 +15,7 @@ from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.transport.store import DirectoryStore
+from vllm_dcr_plugin import faults
 
 
 class Cluster:
@@ -31,6 +32,15 @@ class Cluster:
 
     def checkpoint_for(self, version: int) -> str:
         return str(self.ckpts / f"v{version}")
+
+    def fault_plan(self, receiver: int) -> Path:
+        """The fault plan file engine `receiver`'s environment names (``DCR_FAULT_PLAN``)."""
+        return self.tmp / f"faults-engine{receiver}.json"
+
+    def arm_fault(self, receiver: int, **fault: int) -> None:
+        """Arm a test-only fault on engine `receiver` for its next attempt, fired once (e.g.
+        ``kill_after_items=3``; see vllm_dcr_plugin.faults)."""
+        faults.arm(self.fault_plan(receiver), **fault)
 
     def start(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -49,7 +59,12 @@ class Cluster:
             start_new_session=True,
         )
         self.servers = [
-            ServeProcess(self.ckpt, free_port(), log=self.tmp / f"serve{i}.log", env=base_env())
+            ServeProcess(
+                self.ckpt,
+                free_port(),
+                log=self.tmp / f"serve{i}.log",
+                env=base_env(**{faults.ENV: str(self.fault_plan(i))}),
+            )
             for i in range(self.n_receivers)
         ]
         urls = [s.start(timeout_s=420) for s in self.servers]

@@ -149,8 +149,8 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         # 2. engine0 is killed mid-apply, engine1 fails part-way: attempt 0 fails, both are
         # fenced, engine0 restarts and dense-loads v1, the overwrite retry repairs engine1
         cluster.owners.call("train", step=2)
-        cluster.receivers[0].faults = {"kill_after_items": 3}
-        cluster.receivers[1].faults = {"fail_after_items": 2}
+        cluster.arm_fault(0, kill_after_items=3)
+        cluster.arm_fault(1, fail_after_items=2)
         res = coord.refit()
         first = res.attempts[0]
         assert not first.ok and first.unreachable == {"engine0"}
@@ -257,7 +257,7 @@ def test_randomised_kill_trials(tiny_models, tmp_path: Path) -> None:
             label, key = rng.choice(faults)
             victim = rng.randrange(len(cluster.receivers))
             if key:
-                cluster.receivers[victim].faults = {key: rng.randint(0, 4)}
+                cluster.arm_fault(victim, **{key: rng.randint(0, 4)})
             res = coord.refit()
             seen.append((trial, label, victim, len(res.attempts)))
             print(f"[trial {trial}] {label} on engine{victim}: {len(res.attempts)} attempt(s)")

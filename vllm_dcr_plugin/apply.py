@@ -10,6 +10,9 @@ an item. One ``load_weights`` call per batch instead of per item matters: buildi
 ``AutoWeightsLoader`` walks every module on each call (~1 ms for a 166M model), more than the
 scatter of a small item.
 
+`apply_staged` runs the staged payloads of an attempt through `plan_batches` and `apply_batch`,
+counting into the ACK's `Tally` (ack.py) and reporting how far a failure got.
+
 Batches (`plan_batches`): consecutive direct-path items whose 64-byte-aligned sizes fit in the
 scratch buffer together; a masked-path item (a tensor prewarm found behind a transformed or cast
 copy) is always a batch of its own, because a transformed copy's source is a temporary that
@@ -32,6 +35,7 @@ Limitations:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +44,11 @@ import numpy as np
 import torch
 
 from shared_codec.errors import LoaderConditionError
+from shared_codec.format import decode_payload
 from shared_codec.kernels import set_scatter, xor_scatter
 from shared_codec.records import DeltaItem, Kind
+from vllm_dcr_plugin.ack import Tally
+from vllm_dcr_plugin.faults import InjectedFailure, ItemFaults
 from vllm_dcr_plugin.intercept import (
     COPY_OPS,
     ViewGeom,
@@ -49,10 +56,13 @@ from vllm_dcr_plugin.intercept import (
     flat_storage_bits,
     int_view,
     map_through_view,
+    named_storages,
+    param_snapshot,
     storage_key,
     tensors_in,
     would_change,
 )
+from vllm_dcr_plugin.staging import StagedPayload, StagingArea
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -379,3 +389,68 @@ def check_loader_report(names: str, reported: set[str], results: list[ItemResult
         raise LoaderConditionError(
             f"{names}: loader wrote {sorted(unreported)} without reporting them as loaded"
         )
+
+
+def apply_staged(
+    model: torch.nn.Module,
+    staged: list[StagedPayload],
+    tally: Tally,
+    *,
+    scratch: torch.Tensor,
+    staging: StagingArea,
+    skipped: set[str],
+    masked: set[str],
+    verify: bool,
+    counter: ItemFaults,
+) -> None:
+    """Apply `staged` payloads in order, batch by batch (`plan_batches`, `apply_batch`),
+    counting into `tally` and marking each payload applied in `staging` once complete.
+
+    ``tally.touched`` says whether any batch reached the loader (weights may have changed). On
+    a failure the exception propagates with `tally` saying how far it got: the loader streams,
+    so items it pulled before the failing one are complete and the last one it pulled may be
+    partial (``tally.partial_item``), except after an `InjectedFailure`, raised before the next
+    item is pulled. `counter` is the loader's per-item hook (it counts pulled items and fires
+    the test-only item faults)."""
+    storages = named_storages(model)
+    before = param_snapshot(model)
+    for sp in staged:
+        t0 = time.perf_counter()
+        payload = sp.decoded or decode_payload(sp.data, key=staging.key, max_body=staging.max_body)
+        tally.decode_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        items = [it for it in payload.items if it.name not in skipped]
+        tally.skipped_items += len(payload.items) - len(items)
+        for batch in plan_batches(items, scratch.numel(), masked):
+            tally.touched = True
+            done = counter.pulled
+            try:
+                results = apply_batch(
+                    model,
+                    batch,
+                    scratch=scratch,
+                    model_storages=storages,
+                    masked=masked,
+                    verify=verify,
+                    before_item=counter,
+                )
+            except InjectedFailure:
+                tally.items += counter.pulled - done  # the loader finished what it pulled
+                raise
+            except Exception:
+                tally.items += max(0, counter.pulled - done - 1)
+                tally.partial_item = batch[max(0, counter.pulled - done - 1)].name
+                raise
+            tally.items += len(batch)
+            tally.batches += 1
+            for item, res in zip(batch, results, strict=True):
+                tally.elements_written += res.elements_written
+                tally.bytes += item.raw_bytes
+                if verify:
+                    tally.mismatches += res.mismatches
+        if param_snapshot(model) != before:
+            raise LoaderConditionError("the loader rebound parameters during apply")
+        tally.apply_s += time.perf_counter() - t0
+        tally.payloads += 1
+        tally.compressed_bytes += len(sp.data)
+        staging.mark_applied(tally.attempt, sp.header.payload_id)

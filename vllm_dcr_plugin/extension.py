@@ -7,7 +7,10 @@ vllm_dcr_plugin.DCRWorkerExtension``); an orchestrator calls the methods with
 (str, int, float, bytes, lists and dicts of those), and runs on every worker rank.
 
 Errors: a DCR error (bad arguments, wrong order, loader condition) is returned as
-``{"ok": False, "error": "..."}`` on every rank rather than raised (see `_rpc`).
+``{"ok": False, "error": "..."}`` on every rank rather than raised (see `_rpc`). Arguments are
+validated and normalised here, at the RPC boundary: a bad argument (wrong type or count, an
+unknown store kind, a dtype the codec does not carry, a negative version) is a
+``ProtocolError`` reply and changes nothing.
 
 RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
 ``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_metrics``, ``dcr_status``.
@@ -20,15 +23,20 @@ Limitations:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-from shared_codec.errors import DCRError
+from shared_codec.errors import DCRError, ProtocolError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
 from vllm_dcr_plugin.receiver import Receiver
+from vllm_dcr_plugin.staging import tensor_specs
 
 # Resolving this class is how vLLM tells a worker process that it serves DCR: enable the CPU
 # loader condition before the worker loads its model.
@@ -37,18 +45,25 @@ cpu_compat.mark_dcr_enabled()
 
 F = TypeVar("F", bound=Callable[..., dict[str, Any]])
 
+_ARG_ERRORS = (ValueError, TypeError, KeyError)
+
 
 def _rpc(fn: F) -> F:
     """Return DCR errors as ``{"ok": False, "error": ...}`` instead of raising.
 
     An exception raised on some ranks of a multi-rank ``collective_rpc`` leaves the other ranks'
     replies queued in vLLM's executor, so the next call would read stale replies. Every dcr_ RPC
-    therefore answers on every rank; successful answers carry ``"ok": True``.
+    therefore answers on every rank; successful answers carry ``"ok": True``. Arguments that do
+    not bind to the method's signature (a wrong count, an unknown keyword) are a
+    `ProtocolError` reply too; each method validates its arguments' values in `_arguments`.
     """
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
+            with _arguments(fn.__name__):
+                signature.bind(self, *args, **kwargs)
             out = fn(self, *args, **kwargs)
         except DCRError as e:
             rank = getattr(self, "rank", 0)
@@ -59,13 +74,83 @@ def _rpc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _opt_int(v: Any) -> int | None:
-    """Optional ints arrive as ints, or as strings through vLLM's HTTP ``/collective_rpc``."""
-    return None if v is None or v == "" else int(v)
+@contextlib.contextmanager
+def _arguments(method: str) -> Iterator[None]:
+    """Argument parsing of one RPC: a bad-argument error (ValueError, TypeError, KeyError)
+    becomes `ProtocolError` (the call changed nothing). Only argument parsing runs inside."""
+    try:
+        yield
+    except _ARG_ERRORS as e:
+        raise ProtocolError(f"{method}: bad arguments: {type(e).__name__}: {e}") from None
 
 
-def _bool(v: Any) -> bool:
-    return v.lower() in ("1", "true", "yes") if isinstance(v, str) else bool(v)
+def _int(v: Any, what: str) -> int:
+    """A non-negative integer: ints, or decimal strings (vLLM's HTTP ``/collective_rpc``)."""
+    if isinstance(v, bool) or not isinstance(v, int | str):
+        raise TypeError(f"{what} must be an integer, got {type(v).__name__}")
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"{what} must be >= 0, got {n}")
+    return n
+
+
+def _bool(v: Any, what: str) -> bool:
+    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "0", "false", "no", ""):
+        return v.strip().lower() in ("1", "true", "yes")
+    if isinstance(v, bool | int) and int(v) in (0, 1):
+        return bool(v)
+    raise ValueError(f"{what} must be a boolean, got {v!r:.40}")
+
+
+def _seconds(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise TypeError(f"{what} must be a number of seconds, got {type(v).__name__}")
+    t = float(v)
+    if not t > 0:  # also NaN
+        raise ValueError(f"{what} must be > 0, got {v!r}")
+    return t
+
+
+_SPEC_KEYS = {"dir": ("root",), "spool": ("root",), "s3": ("bucket",)}
+
+
+def _store_spec(v: Any) -> dict[str, Any]:
+    """A store spec (dict or its JSON text) of a known kind with its required fields."""
+    spec = json.loads(v) if isinstance(v, str) else v
+    if not isinstance(spec, dict):
+        raise TypeError(f"store spec must be a JSON object, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if kind not in _SPEC_KEYS:
+        raise ValueError(f"store spec kind must be one of {sorted(_SPEC_KEYS)}, got {kind!r}")
+    for key in _SPEC_KEYS[kind]:
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise KeyError(f"a {kind!r} store spec needs a non-empty string {key!r}")
+    return dict(spec)
+
+
+def _apply_opts(v: Any) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise TypeError(f"apply must be a dict or None, got {type(v).__name__}")
+    unknown = set(v) - {"verify"}
+    if unknown:
+        raise ValueError(f"apply takes only 'verify', got {sorted(unknown)}")
+    return {"verify": _bool(v.get("verify", False), "apply.verify")}
+
+
+def _payloads(v: Any) -> list[bytes]:
+    if not isinstance(v, list | tuple) or not all(
+        isinstance(p, bytes | bytearray | memoryview) for p in v
+    ):
+        raise TypeError("payloads must be a list of bytes")
+    return list(v)
+
+
+def _directory(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not os.path.isdir(v):
+        raise ValueError(f"{what} must name an existing directory, got {v!r:.200}")
+    return v
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +164,7 @@ class DCRWorkerExtension:
         runner = getattr(self, "model_runner", None)
         model = getattr(runner, "model", None)
         if model is None:
-            raise RuntimeError("DCR: the worker has no loaded model (call after engine start)")
+            raise ProtocolError("the worker has no loaded model (call after engine start)")
         return model
 
     def _dcr_ranks(self) -> dict[str, int]:
@@ -132,12 +217,17 @@ class DCRWorkerExtension:
         """Register canonical tensors ``[[name, dtype, shape], ...]``, reserve scratch for the
         largest, and trace the native loader once per tensor with all writes into model storage
         suppressed. Returns the capability report (skipped, overwrite_only, unsupported)."""
-        return self._dcr_receiver().prewarm(tensors, committed_version)
+        with _arguments("dcr_prewarm"):
+            tensor_specs(tensors)
+            version = _int(committed_version, "committed_version")
+        return self._dcr_receiver().prewarm(tensors, version)
 
     @_rpc
     def dcr_stage(self, payloads: list) -> dict[str, Any]:
         """Validate, deduplicate and keep payloads (bytes); returns staged/duplicates/rejected."""
-        return self._dcr_receiver().stage(payloads)
+        with _arguments("dcr_stage"):
+            items = _payloads(payloads)
+        return self._dcr_receiver().stage(items)
 
     @_rpc
     def dcr_fetch(
@@ -146,51 +236,42 @@ class DCRWorkerExtension:
         version: int,
         attempt: int,
         timeout_s: float = 60.0,
-        kill_after_payloads: int | None = None,
         apply: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Fetch the attempt's payloads from an object store and stage them. `store` is a JSON
-        store spec (``{"kind": "dir", "root": ...}`` or ``{"kind": "s3", "bucket": ...,
-        "endpoint_url": ...}``); every rank fetches for itself. With `apply` (``{"verify":
-        bool}``) the fetch is pipelined: payloads are fetched as they appear and each is applied
-        once staged; the attempt's ACK is returned under ``"ack"``. `kill_after_payloads`, and
-        `apply`'s ``fail_after_items`` / ``kill_after_items``: recovery tests only."""
-        if apply is not None and not isinstance(apply, dict):
-            raise ValueError(f"dcr_fetch: apply must be a dict or None, got {type(apply).__name__}")
-        return self._dcr_receiver().fetch(
-            store,
-            int(version),
-            int(attempt),
-            float(timeout_s),
-            _opt_int(kill_after_payloads),
-            apply,
-        )
+        store spec (``{"kind": "dir", "root": ...}``, ``{"kind": "s3", "bucket": ...,
+        "endpoint_url": ...}`` or a relay node's ``{"kind": "spool", "root": ...}``); every rank
+        fetches for itself. With `apply` (``{"verify": bool}``) the fetch is pipelined: payloads
+        are fetched as they appear and each is applied once staged; the attempt's ACK is
+        returned under ``"ack"``."""
+        with _arguments("dcr_fetch"):
+            spec = _store_spec(store)
+            args = (_int(version, "version"), _int(attempt, "attempt"))
+            timeout = _seconds(timeout_s, "timeout_s")
+            opts = _apply_opts(apply)
+        return self._dcr_receiver().fetch(spec, *args, timeout, opts)
 
     @_rpc
-    def dcr_apply(
-        self,
-        attempt: int,
-        verify: bool = False,
-        fail_after_items: int | None = None,
-        kill_after_items: int | None = None,
-    ) -> dict[str, Any]:
+    def dcr_apply(self, attempt: int, verify: bool = False) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
-        reports items, elements, bytes, timings and post-apply mismatches (``verify``).
-        `fail_after_items` / `kill_after_items` inject a failure / a process kill part-way
-        (recovery tests only)."""
-        return self._dcr_receiver().apply(
-            int(attempt), _bool(verify), _opt_int(fail_after_items), _opt_int(kill_after_items)
-        )
+        reports items, elements, bytes, timings and post-apply mismatches (``verify``)."""
+        with _arguments("dcr_apply"):
+            args = (_int(attempt, "attempt"), _bool(verify, "verify"))
+        return self._dcr_receiver().apply(*args)
 
     @_rpc
     def dcr_commit(self, version: int) -> dict[str, Any]:
         """The coordinator committed `version`: the receiver's committed version advances."""
-        return self._dcr_receiver().commit(version)
+        with _arguments("dcr_commit"):
+            v = _int(version, "version")
+        return self._dcr_receiver().commit(v)
 
     @_rpc
     def dcr_abort(self, attempt: int) -> dict[str, Any]:
         """Fence `attempt`: drop its staged payloads and refuse its late ones."""
-        return self._dcr_receiver().abort(attempt)
+        with _arguments("dcr_abort"):
+            a = _int(attempt, "attempt")
+        return self._dcr_receiver().abort(a)
 
     @_rpc
     def dcr_digest(self) -> dict[str, Any]:
@@ -201,12 +282,16 @@ class DCRWorkerExtension:
     def dcr_dense_load(self, path: str, version: int = 0) -> dict[str, Any]:
         """Dense refit from a canonical checkpoint directory through ``load_weights``; the
         receiver is then clean at `version`."""
-        return self._dcr_receiver().dense_load(path, version)
+        with _arguments("dcr_dense_load"):
+            args = (_directory(path, "path"), _int(version, "version"))
+        return self._dcr_receiver().dense_load(*args)
 
     @_rpc
     def dcr_memory(self, reset_peak: bool = False) -> dict[str, Any]:
         """RSS and peak RSS of this worker process (peak reset first with `reset_peak`)."""
-        return self._dcr_receiver().memory(reset_peak)
+        with _arguments("dcr_memory"):
+            reset = _bool(reset_peak, "reset_peak")
+        return self._dcr_receiver().memory(reset)
 
     @_rpc
     def dcr_metrics(self) -> dict[str, Any]:

@@ -24,7 +24,7 @@ Limitations:
 1. The direct path needs source and destination views with nested strides (any view made by
    slicing, select, unbind, narrow, view or transpose of a contiguous tensor).
 2. Parameter rebinding (``param.data = ...``) is not a dispatch op; callers detect it by
-   comparing parameter storages before and after (see receiver.py).
+   comparing parameter storages before and after (`param_snapshot`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,25 @@ def flat_storage_bits(t: torch.Tensor) -> torch.Tensor:
 
 def storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
+
+
+def _tensors_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def named_storages(model: torch.nn.Module) -> dict[int, str]:
+    """Storage key -> the first parameter or buffer name on it (the model storage to guard)."""
+    out: dict[int, str] = {}
+    for name, t in _tensors_of(model):
+        if t.numel():
+            out.setdefault(storage_key(t), name)
+    return out
+
+
+def param_snapshot(model: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Name -> (storage key, shape) of every parameter and buffer: compared before and after a
+    loader call, a difference means the loader rebound or replaced a tensor."""
+    return {n: (storage_key(p), tuple(p.shape)) for n, p in _tensors_of(model)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,3 +72,25 @@ class ReceiverMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry).decode()
+
+
+def process_memory(reset_peak: bool = False) -> dict[str, int | None]:
+    """Resident and peak resident set size of this process (Linux /proc: ``rss_bytes``,
+    ``peak_rss_bytes``; None where unavailable); with `reset_peak` the peak is reset to the
+    current RSS first (for peak-delta measurements)."""
+    if reset_peak:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return {"rss_bytes": fields.get("VmRSS"), "peak_rss_bytes": fields.get("VmHWM")}

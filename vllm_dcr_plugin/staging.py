@@ -10,13 +10,20 @@ current transition is reported as a duplicate and dropped (XOR twice would resto
 Decoded records are kept next to the compressed bytes while their total raw size stays within
 `keep_decoded_bytes` (default 256 MiB), so apply does not decode twice; beyond that budget only
 the compressed bytes are kept and apply decodes again (staging memory = compressed size).
+
+Also here: `tensor_specs` (the prewarm table, validated: `ProtocolError` for a malformed one)
+and `key_from_env` (the payload secret, ``DCR_PAYLOAD_KEY``).
 """
 
 from __future__ import annotations
 
+import operator
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
-from shared_codec.errors import PayloadError
+from shared_codec.dtypes import dtype_of
+from shared_codec.errors import PayloadError, ProtocolError
 from shared_codec.format import DEFAULT_MAX_BODY, Payload, PayloadHeader, decode_payload
 from shared_codec.records import Kind
 
@@ -27,6 +34,46 @@ class TensorSpec:
 
     dtype: str
     shape: tuple[int, ...]
+
+
+KEY_ENV = "DCR_PAYLOAD_KEY"
+
+
+def key_from_env() -> bytes | None:
+    """The shared payload secret from ``DCR_PAYLOAD_KEY`` (hex), if set."""
+    raw = os.environ.get(KEY_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise ProtocolError(f"{KEY_ENV} must be hex-encoded") from None
+
+
+def tensor_specs(table: object) -> dict[str, TensorSpec]:
+    """The prewarm table ``[[name, dtype, shape], ...]`` as specs by name; `ProtocolError` (with
+    the offending entry) for anything else: a non-list, a bad entry, a dtype the codec does not
+    carry, a negative or non-integer dimension."""
+    if not isinstance(table, list | tuple):
+        raise ProtocolError(f"tensors must be a list of [name, dtype, shape], got {table!r:.80}")
+    specs: dict[str, TensorSpec] = {}
+    for entry in table:
+        try:
+            name, dtype, shape = entry
+            if not isinstance(name, str) or not isinstance(shape, list | tuple):
+                raise TypeError("name must be a string and shape a list")
+            dims = tuple(_dim(s) for s in shape)
+            specs[name] = TensorSpec(dtype_of(str(dtype)).name, dims)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ProtocolError(f"bad tensor entry {entry!r:.120}: {e}") from None
+    return specs
+
+
+def _dim(s: Any) -> int:
+    n = operator.index(s) if not isinstance(s, bool) else -1  # ints, numpy ints; not "3", 3.0
+    if n < 0:
+        raise ValueError(f"dimension {s!r} is not a non-negative integer")
+    return int(n)
 
 
 @dataclass

@@ -35,11 +35,10 @@ class HttpEngine:
     `store`: store spec the workers fetch from; `checkpoint_for(version)`: a canonical
     checkpoint directory of a committed version (dense loads on restore); `tensors`: the
     canonical tensor table for ``dcr_prewarm`` (``[[name, dtype, shape], ...]``); `launcher`:
-    starts a replacement engine and returns its base URL. `faults` (recovery tests only): keyword
-    arguments for the next ``dcr_fetch`` / ``dcr_apply`` (e.g. ``kill_after_items``), used once.
-    `pipelined` (default): `apply` is one pipelined ``dcr_fetch`` (each payload applied as it
-    arrives; the coordinator starts it while the owners build); ``False``: fetch everything, then
-    ``dcr_apply``.
+    starts a replacement engine and returns its base URL. `pipelined` (default): `apply` is one
+    pipelined ``dcr_fetch`` (each payload applied as it arrives; the coordinator starts it while
+    the owners build); ``False``: fetch everything, then ``dcr_apply``. Recovery tests arm
+    faults in the engine's environment instead (``DCR_FAULT_PLAN``, vllm_dcr_plugin.faults).
     """
 
     def __init__(
@@ -62,7 +61,6 @@ class HttpEngine:
         self.tensors = tensors
         self.launcher = launcher
         self.verify = verify
-        self.faults: dict[str, int] = {}
         self.last: dict[str, Any] = {}
 
     # -- HTTP ----------------------------------------------------------------------------------
@@ -122,15 +120,8 @@ class HttpEngine:
         started while the owners still build. A fetch the engine answered with an error (a
         missing or rejected payload) is a failed ACK; an engine that does not answer raises
         `EngineUnreachable`."""
-        faults, self.faults = self.faults, {}
         t0 = time.perf_counter()
-        opts = None
-        if self.pipelined:
-            opts = {
-                "verify": self.verify,
-                "fail_after_items": faults.get("fail_after_items"),
-                "kill_after_items": faults.get("kill_after_items"),
-            }
+        opts = {"verify": self.verify} if self.pipelined else None
         try:
             try:
                 fetched = self.rpc(
@@ -139,7 +130,6 @@ class HttpEngine:
                     version,
                     attempt,
                     timeout_s,
-                    faults.get("kill_after_payloads"),
                     opts,
                     timeout=timeout_s,
                 )
@@ -157,12 +147,7 @@ class HttpEngine:
                     "/collective_rpc",
                     {
                         "method": "dcr_apply",
-                        "args": [
-                            attempt,
-                            self.verify,
-                            faults.get("fail_after_items"),
-                            faults.get("kill_after_items"),
-                        ],
+                        "args": [attempt, self.verify],
                         "timeout": timeout_s,
                     },
                     timeout_s + 30,

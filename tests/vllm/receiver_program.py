@@ -35,7 +35,11 @@ def main() -> None:
     from shared_codec.format import PayloadMeta
     from shared_codec.records import Kind, diff_tensors
     from tests.vllm._engine import start_llm
+    from vllm_dcr_plugin import faults
 
+    # the workers inherit the fault plan's path; the partial apply below arms it
+    plan = Path(args.out).with_name("fault-plan.json")
+    os.environ[faults.ENV] = str(plan)
     llm = start_llm(versions[0], args.tp, **json.loads(args.extra))
     sp = SamplingParams(max_tokens=8, temperature=0.0)
     report: dict = {"tp": args.tp}
@@ -149,7 +153,8 @@ def main() -> None:
 
     # v1 -> v2: partial XOR apply, then an overwrite retry of the complete changed set
     report["stage2"] = llm.collective_rpc("dcr_stage", args=(payloads(1, 2, 1, "mixed"),))
-    report["ack2_partial"] = llm.collective_rpc("dcr_apply", args=(1, False, 5))
+    faults.arm(plan, fail_after_items=5)  # every rank fails after 5 items
+    report["ack2_partial"] = llm.collective_rpc("dcr_apply", args=(1, False))
     report["d2_partial"] = digests()
     report["status_after_partial"] = llm.collective_rpc("dcr_status")
     report["abort1"] = llm.collective_rpc("dcr_abort", args=(1,))

@@ -338,7 +338,7 @@ def test_prefetch_thread_ends_when_its_consumer_gives_up() -> None:
 
     import pytest
 
-    from vllm_dcr_plugin.receiver import _prefetched
+    from vllm_dcr_plugin.sources import prefetched as _prefetched
 
     polls = []
 

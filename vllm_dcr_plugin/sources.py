@@ -1,0 +1,92 @@
+"""Where a rank's payloads of one attempt come from: an object store or a relay node's spool.
+
+Contract: `attempt_source(spec, version, attempt, timeout_s, key=..., streaming=...)` returns an
+iterable of payload bytes for the attempt. `spec` is a store spec (see
+`shared_codec.transport.store.open_store`) or ``{"kind": "spool", "root": DIR}`` (a relay-tree
+node's spool). Not streaming: every payload of the attempt's manifest (spool: of the node's
+manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch): payloads as
+their objects or spool files appear, before the manifest; object-store payloads are fetched by
+a background thread (`prefetched`) so the transport's waits overlap the caller's applies.
+
+A spec that `open_store` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
+validates specs before that (extension.py).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from shared_codec.errors import ProtocolError
+
+
+def attempt_source(
+    spec: dict[str, Any],
+    version: int,
+    attempt: int,
+    timeout_s: float,
+    *,
+    key: bytes | None,
+    streaming: bool,
+) -> Iterable[bytes]:
+    """The payloads of (`version`, `attempt`) from `spec` (see the module docstring)."""
+    from shared_codec.transport.objects import ObjectFetcher
+    from shared_codec.transport.relay import read_spool, stream_spool
+    from shared_codec.transport.store import open_store
+
+    if spec.get("kind") == "spool":  # payloads a relay-tree node wrote to local disk
+        if streaming:  # as they arrive, until the node's manifest notice
+            return stream_spool(str(spec["root"]), version, attempt, timeout_s)
+        return read_spool(str(spec["root"]), version, attempt)
+    try:
+        store = open_store(spec)
+    except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
+        raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
+    fetcher = ObjectFetcher(store, key=key)
+    if streaming:  # fetched in a thread: the link's wait overlaps applies
+        return prefetched(
+            lambda stop: fetcher.stream(version, attempt, timeout_s, cancelled=stop.is_set)
+        )
+    return fetcher.fetch(version, attempt, timeout_s)
+
+
+def prefetched(
+    make_source: Callable[[threading.Event], Iterable[bytes]], depth: int = 4
+) -> Iterator[bytes]:
+    """Iterate ``make_source(stop)`` in a background thread, at most `depth` items ahead (I/O
+    waits of the transport overlap the caller's work); its exception is re-raised in the caller.
+    Closing the generator early (a failed apply) sets `stop`, which the source polls, so the
+    thread ends instead of waiting out the attempt."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for item in make_source(stop):
+                while not stop.is_set():
+                    try:
+                        q.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            if not stop.is_set():  # nobody reads the queue once the consumer has left
+                q.put(("end", None))
+        except BaseException as e:  # handed to the consumer
+            if not stop.is_set():
+                q.put(("error", e))
+
+    threading.Thread(target=run, name="dcr-prefetch", daemon=True).start()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
