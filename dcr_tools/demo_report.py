@@ -129,7 +129,11 @@ def table_row(row: dict[str, Any]) -> str:
 def verdict(report: dict[str, Any]) -> tuple[bool, str]:
     """(every step bit-exact, one line saying so with the step count and transport)."""
     rows = report["rows"]
-    how = f"refit by {report['refit']} over {report['transport']}"
+    how = (
+        "refit by dense loads of the trainer's export"  # no transport carries a dense refit
+        if report["refit"] == "dense"
+        else f"refit by {report['refit']} over {report['transport']}"
+    )
     if report.get("kill_every"):
         how += f", engine killed mid-apply every {report['kill_every']} steps"
     if not rows:

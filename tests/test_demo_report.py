@@ -258,6 +258,6 @@ def test_report_html_for_dense_refits(tmp_path: Path) -> None:
         for k in ("fetch_s", "apply_s", "commit_s", "payloads", "transport_apply_s"):
             del r[k]
     _, page = _render(_report(rows, refit="dense", transport="dir"), tmp_path)
-    assert page.verdict == "All 2 steps bit-exact: refit by dense over dir."
+    assert page.verdict == ("All 2 steps bit-exact: refit by dense loads of the trainer's export.")
     assert page.tables[1][1] == ["1", "0.519", "0.00%", "0", "0.00%"] + ["0.00"] * 4 + ["0", "yes"]
     assert ["dense refit seconds per step (mean)", "0.50"] in page.tables[2]
