@@ -12,9 +12,27 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup test test-fast test-slow lint demo clean
+.PHONY: setup setup-browser test test-fast test-slow lint demo clean
 
-setup: $(STAMP)
+setup: $(STAMP) setup-browser
+
+# chromium renders the demo's report.html in tests/test_demo_report.py (skipped without it).
+# Idempotent: installs only when missing, and only as root with apt-get; says what it did.
+setup-browser:
+	@if command -v chromium >/dev/null 2>&1; then \
+	  echo "[setup] chromium present: $$(command -v chromium)"; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	  echo "[setup] chromium missing, not root: not installed (tests/test_demo_report.py skips; as root: apt-get install -y chromium)"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "[setup] chromium missing, no apt-get: not installed (tests/test_demo_report.py skips)"; \
+	else \
+	  echo "[setup] chromium missing: apt-get install -y chromium"; \
+	  if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then \
+	    echo "[setup] installed $$(chromium --version 2>/dev/null)"; \
+	  else \
+	    echo "[setup] WARNING: apt-get install chromium failed (tests/test_demo_report.py skips)"; \
+	  fi; \
+	fi
 
 $(STAMP): pyproject.toml Makefile
 	@echo "[setup] python: $$($(PY) --version)"

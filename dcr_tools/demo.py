@@ -16,9 +16,11 @@ same loop with dense loads instead of DCR (the baseline the tests compare agains
 ``--kill-every K`` kills the rollout engine mid-apply every K steps (the coordinator fences the
 attempt, restarts the engine, dense-loads the committed version and retries with overwrites).
 
-Writes ``OUT/report.json`` (every step: rewards, element change rate, payload bytes and % of the
-checkpoint, construction / transport+apply / commit seconds, attempts, bit_exact), ``report.png``
-(refit timeline per stage and bytes per step) and ``report.html`` embedding it.
+Prints a live table (one line per step) and writes ``OUT/report.json`` (every step: rewards,
+element change rate, payload bytes and % of the checkpoint, construction / transport+apply /
+commit seconds, attempts, bit_exact), ``report.png`` (refit timeline per stage and bytes per
+step) and a standalone ``report.html`` (verdict, settings, per-step table, summary, plots
+inline); see `dcr_tools.demo_report`.
 
 Transports: ``relay`` (default): trainer ranks stream payloads to the root of a ZeroMQ relay tree
 (root -> node ``rollout0``); the node spools them on local disk and, once the tree acknowledged
@@ -34,7 +36,6 @@ Limitations:
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dcr_tools.demo_report import TABLE_NOTE, table_header, table_row, verdict, write_report
 from dcr_tools.procs import ServeProcess, base_env, free_port, torchrun_cmd
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig, RefitFailed
@@ -109,7 +111,8 @@ class Demo:
         self.owners: RemoteOwners | None = None
 
     def log(self, msg: str) -> None:
-        print(f"[demo] {msg}", flush=True)
+        # every line tagged, also those of a multi-line message (an error with a traceback)
+        print("\n".join(f"[demo] {line}" for line in str(msg).splitlines() or [""]), flush=True)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _store_spec(self) -> dict[str, Any]:
@@ -340,27 +343,12 @@ class Demo:
         a = self.args
         self.start()
         rows = []
-        header = (
-            f"{'step':>4} {'reward':>7} {'changed':>8} {'payload':>8} {'% ckpt':>7} "
-            f"{'construct':>9} {'transport':>9} {'apply':>6} {'commit':>6} {'tries':>5} "
-            f"{'exact':>5}"
-        )
-        print("(seconds per stage: construction on the trainer, transport = upload/tree tail + "
-              "fetch/stage on the engine)", flush=True)  # fmt: skip
-        print(header, flush=True)
+        print(TABLE_NOTE, flush=True)
+        print(table_header(), flush=True)
         for step in range(1, a.steps + 1):
             row = self.step(step)
             rows.append(row)
-            print(
-                f"{step:4d} {row['reward_mean']:7.3f} "
-                f"{100 * row.get('element_change_rate', 0.0):7.2f}% "
-                f"{row.get('payload_bytes', 0):8d} {row['payload_pct']:6.2f}% "
-                f"{row.get('construct_s', 0.0):9.2f} "
-                f"{row.get('publish_s', 0.0) + row.get('fetch_s', 0.0):9.2f} "
-                f"{row.get('apply_s', 0.0):6.2f} {row.get('commit_s', 0.0):6.2f} "
-                f"{row['attempts']:5d} {'yes' if row['bit_exact'] else 'NO':>5}",
-                flush=True,
-            )
+            print(table_row(row), flush=True)
         report = {
             "demo": "dcr-rl",
             "refit": a.refit,
@@ -370,15 +358,17 @@ class Demo:
             "checkpoint_bytes": self.checkpoint_bytes,
             "all_bit_exact": all(r["bit_exact"] for r in rows),
             "final_digest": rows[-1]["digest"] if rows else None,
+            "samples_per_prompt": a.samples,
+            "max_tokens": a.max_tokens,
+            "lr": a.lr,
+            "seed": a.seed,
             "rows": rows,
         }
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "report.json").write_text(json.dumps(report, indent=2))
-        write_pictures(report, self.out)
+        page = write_report(report, self.out)
         self.log(
-            f"wrote {self.out / 'report.json'}, report.png, report.html; every refit bit-exact: "
-            f"{report['all_bit_exact']}"
+            f"wrote {self.out / 'report.json'}, report.png and {page.name} (open in a browser)"
         )
+        self.log(verdict(report)[1])
         return report
 
     def stop(self) -> None:
@@ -398,60 +388,6 @@ class Demo:
                 os.killpg(p.pid, 9)
             except ProcessLookupError:
                 pass
-
-
-def write_pictures(report: dict[str, Any], out: Path) -> None:
-    """report.png (refit timeline per stage, bytes per step) and report.html embedding it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    bottom = [0.0] * len(rows)
-    for key, label in (
-        ("construct_s", "construction"),
-        ("publish_s", "upload + manifest"),
-        ("fetch_s", "fetch + stage"),
-        ("apply_s", "apply"),
-        ("commit_s", "commit"),
-        ("dense_s", "dense refit"),
-    ):
-        vals = [max(0.0, float(r.get(key, 0.0))) for r in rows]
-        if any(vals):
-            ax1.bar(steps, vals, bottom=bottom, label=label)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("seconds")
-    ax1.set_title("refit timeline per stage")
-    ax1.legend(fontsize=8)
-    ax2.bar(steps, [r.get("payload_bytes", 0) / 1e3 for r in rows], color="tab:green")
-    ax2.axhline(report["checkpoint_bytes"] / 1e3, color="grey", ls="--", label="checkpoint")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("kB")
-    ax2.set_title("payload bytes per step")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "report.png", dpi=100)
-    plt.close(fig)
-    img = base64.b64encode((out / "report.png").read_bytes()).decode()
-    cells = "".join(
-        f"<tr><td>{r['step']}</td><td>{r['reward_mean']:.3f}</td>"
-        f"<td>{r.get('payload_bytes', 0)}</td><td>{r['payload_pct']:.2f}%</td>"
-        f"<td>{r['attempts']}</td><td>{'yes' if r['bit_exact'] else 'NO'}</td></tr>"
-        for r in rows
-    )
-    (out / "report.html").write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>DCR demo</title></head><body>"
-        f"<h1>DCR demo: {len(rows)} RL steps, refit by {report['refit']} over "
-        f"{report['transport']}</h1><p>every refit bit-exact: {report['all_bit_exact']}</p>"
-        f"<img src='data:image/png;base64,{img}'/><table border='1'><tr><th>step</th>"
-        "<th>reward</th><th>payload bytes</th><th>% of checkpoint</th><th>attempts</th>"
-        f"<th>bit-exact</th></tr>{cells}</table></body></html>"
-    )
 
 
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -7,32 +7,67 @@ miniature)."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from dcr_tools.procs import PYTHON, base_env, run_program
+from dcr_tools.demo_report import TABLE_NOTE, table_header
+from dcr_tools.procs import PYTHON, REPO, base_env, kill_group
+
+# one printed table line: step, reward, changed %, payload bytes, % ckpt, 4 stage seconds,
+# tries, exact
+ROW = re.compile(
+    r" *\d+ +-?\d+\.\d{3} +\d+\.\d{2}% +\d+ +\d+\.\d{2}%( +-?\d+\.\d{2}){4} +\d+ +(yes|NO)"
+)
 
 
 def _demo(tmp: Path, name: str, *extra: str, steps: int) -> dict:
+    """Run ``dcr demo`` (stdout and stderr to separate files, the process group killed at the
+    end), check that its stdout holds nothing but its known lines, return report.json."""
     out = tmp / name
-    run_program(
-        [
-            PYTHON,
-            "-m",
-            "dcr_tools.cli",
-            "demo",
-            "--steps",
-            str(steps),
-            "--out",
-            str(out),
-            *extra,
-        ],
-        timeout=1200,
-        env=base_env(),
-        log=tmp / f"{name}.log",
+    stdout, stderr = tmp / f"{name}.stdout", tmp / f"{name}.log"
+    args = [PYTHON, "-m", "dcr_tools.cli", "demo", "--steps", str(steps), "--out", str(out)]
+    with open(stdout, "w") as out_f, open(stderr, "w") as err_f:
+        proc = subprocess.Popen(
+            [*args, *extra],
+            cwd=REPO,
+            env=base_env(),
+            stdout=out_f,
+            stderr=err_f,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=1200)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            kill_group(proc)
+    text = stdout.read_text()
+    assert proc.returncode == 0, (
+        f"dcr demo {' '.join(extra)} exited {proc.returncode}:\n{text[-4000:]}\n"
+        f"stderr:\n{stderr.read_text(errors='replace')[-4000:]}"
     )
+    _check_printed(text, steps)
     return json.loads((out / "report.json").read_text())
+
+
+def _check_printed(text: str, steps: int) -> None:
+    """Every stdout line is a ``[demo]`` log line, the table's note, header or a step row: no
+    stray values (a bare ``True`` once appeared)."""
+    lines = text.splitlines()
+    stray = [ln for ln in lines if ln.strip() in ("True", "False", "None", "")]
+    assert not stray, f"stray lines in the demo's output: {stray}"
+    unknown = [
+        ln
+        for ln in lines
+        if not (ln.startswith("[demo] ") or ln in (TABLE_NOTE, table_header()) or ROW.fullmatch(ln))
+    ]
+    assert not unknown, f"unexpected lines in the demo's output: {unknown}"
+    assert lines.count(table_header()) == 1
+    assert sum(1 for ln in lines if ROW.fullmatch(ln)) == steps
+    assert lines[-1].startswith("[demo] All ") and "bit-exact" in lines[-1], lines[-1]
 
 
 def _check_same_run(dcr: dict, dense: dict, steps: int) -> None:
