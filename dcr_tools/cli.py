@@ -8,7 +8,7 @@ Subcommands (each has ``--help``):
 - ``dcr verify URL... [--store SPEC] [--checkpoint DIR --reference URL]``: receivers' digests
   against the commit record, and/or tensor by tensor against a dense load on a reference engine.
 - ``dcr demo [--steps N] [--transport dir|s3] [--endpoint URL] [--kill-every K] [--refit dcr|dense]``:
-  the end-to-end RL loop (vllm_dcr_plugin/demo.py); writes out/demo/report.{json,png,html}.
+  the end-to-end RL loop (dcr_tools/demo.py); writes out/demo/report.{json,png,html}.
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
