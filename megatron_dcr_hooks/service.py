@@ -165,10 +165,10 @@ class OwnerService:
         if self.rank == 0 and not errors:
             try:
                 self._sender.complete(
+                    version,
                     attempt,
                     [i for r in per_rank for i in r["ids"]],
                     self.relay_timeout_s,
-                    version=version,
                 )
             except Exception as e:
                 ack_error = f"{type(e).__name__}: {e}"
