@@ -292,3 +292,49 @@ def test_node_refuses_malformed_messages_and_keeps_serving() -> None:
         s.close(0)
         ctx.term()
         node.stop()
+
+
+@pytest.mark.zmq
+def test_relay_sink_and_spool_source_seam(tmp_path: Path) -> None:
+    """The seam on a relay tree: owners' sinks (spec kind ``relay``) send to the root; a leaf's
+    spool source (kind ``spool``) streams payloads before the seal; the seal returns once the
+    whole tree holds them, after which `fetch` on every node yields them in (owner, sequence)
+    order; the coordinator's sink (no owner) abandons an attempt, stopping `fetch` and
+    `stream` at the leaves."""
+    from shared_codec.transport import Seal, open_sink, open_source
+
+    tree = Tree(tmp_path)
+    try:
+        spec = {"kind": "relay", "root": tree.addrs[0], "timeout_s": 20}
+        mine = {o: _payloads(o) for o in (0, 1)}
+        leaf = open_source({"kind": "spool", "root": str(tree.dirs[3])})
+        stream = leaf.stream(1, 0, timeout_s=20)
+        sinks = {o: open_sink(spec, version=1, attempt=0, owner=o) for o in (0, 1)}
+        sinks[0].send(mine[0][0])
+        sinks[0].finish()
+        got = [next(stream)]
+        assert got == mine[0][:1]
+        for o in (0, 1):
+            for p in mine[o][1 if o == 0 else 0 :]:
+                sinks[o].send(p)
+        reports = {o: sinks[o].finish() for o in (0, 1)}
+        assert [len(reports[o].payload_ids) for o in (0, 1)] == [len(mine[0]), len(mine[1])]
+        with pytest.raises(TransportError, match="no manifest notice"):
+            list(leaf.fetch(1, 0, timeout_s=0.3))
+        ids = tuple(i for o in (0, 1) for i in reports[o].payload_ids)
+        sinks[0].seal(Seal(base_version=0, owners=(0, 1), payload_ids=ids))
+        got.extend(stream)
+        assert sorted(got) == sorted(mine[0] + mine[1])
+        for d in tree.dirs:
+            assert list(open_source({"kind": "spool", "root": str(d)}).fetch(1, 0)) == (
+                mine[0] + mine[1]
+            )
+        for s in sinks.values():
+            s.close()
+        with open_sink(spec, version=2, attempt=0) as coordinator:
+            coordinator.abandon("owners failed: rank 1 died")
+        for it in (leaf.fetch(2, 0, timeout_s=10), leaf.stream(2, 0, timeout_s=10)):
+            with pytest.raises(TransportError, match="abandoned by the coordinator: owners"):
+                list(it)
+    finally:
+        tree.stop()

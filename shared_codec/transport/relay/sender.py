@@ -1,4 +1,5 @@
-"""`RelaySender`: an owner's or the coordinator's connection to the root of a relay tree.
+"""`RelaySender`: an owner's or the coordinator's connection to the root of a relay tree, and
+`RelaySink`, the transport seam's sink on it (`shared_codec.transport.seam`).
 
 Call order: ``send(payload)`` for each payload (version and attempt come from its header; at
 most `window` unacknowledged payloads in flight), ``flush()`` (every payload queued by the
@@ -15,6 +16,7 @@ Limitations:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from shared_codec.format import peek_header
 from shared_codec.transport.relay.messages import (
@@ -30,6 +32,7 @@ from shared_codec.transport.relay.messages import (
     encode,
 )
 from shared_codec.transport.relay.node import CurveKeys, connect_client
+from shared_codec.transport.seam import Seal, SinkReport
 from shared_codec.transport.store import TransportError
 
 
@@ -128,3 +131,75 @@ class RelaySender:
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+class RelaySink:
+    """`seam.PayloadSink` on a relay tree (spec kind ``relay``): payloads go to the root, the
+    seal is the tree's manifest (`RelaySender.complete`: returns once every node holds every
+    listed payload), the abandon is the abandon message. Without an owner (the coordinator)
+    it sends nothing; the connection is opened on first use."""
+
+    def __init__(
+        self, spec: dict[str, Any], *, version: int, attempt: int, owner: int | None = None
+    ) -> None:
+        self.spec = spec
+        self.version, self.attempt, self.owner = version, attempt, owner
+        self.timeout_s = float(spec.get("timeout_s", 60.0))
+        self._sender: RelaySender | None = None
+        self._ids: list[str] = []
+
+    @property
+    def sender(self) -> RelaySender:
+        if self._sender is None:
+            s = self.spec
+            keys = None
+            if s.get("secret"):
+                keys = CurveKeys(str(s["public"]).encode(), str(s["secret"]).encode())
+            self._sender = RelaySender(
+                str(s["root"]),
+                keys=keys,
+                root_public=str(s["root_public"]).encode() if s.get("root_public") else None,
+                window=int(s.get("window", 16)),
+                ack_timeout_s=self.timeout_s,
+            )
+        return self._sender
+
+    def send(self, payload: bytes) -> None:
+        if self.owner is None:
+            raise ValueError("a sink opened without an owner cannot send payloads")
+        m = peek_header(payload, verify=False)
+        if (m.meta.version, m.meta.attempt, m.meta.owner) != (
+            self.version,
+            self.attempt,
+            self.owner,
+        ):
+            raise ValueError(
+                f"payload {m.payload_id_hex} is for version {m.meta.version} attempt "
+                f"{m.meta.attempt} owner {m.meta.owner}, sink is "
+                f"{self.version}/{self.attempt}/{self.owner}"
+            )
+        self.sender.send(payload)
+        self._ids.append(m.payload_id_hex)
+
+    def finish(self) -> SinkReport:
+        if self._sender is None:
+            return SinkReport(payload_ids=(), bytes=0)
+        self._sender.flush()
+        return SinkReport(payload_ids=tuple(self._ids), bytes=self._sender.bytes_sent)
+
+    def seal(self, seal: Seal) -> None:
+        self.sender.complete(self.version, self.attempt, list(seal.payload_ids), self.timeout_s)
+
+    def abandon(self, reason: str) -> None:
+        self.sender.abandon(self.version, self.attempt, reason, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+
+    def __enter__(self) -> RelaySink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

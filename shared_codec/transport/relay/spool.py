@@ -1,6 +1,7 @@
 """A relay node's spool: the directory through which a node process hands payloads to the
 engines of its rollout node. Written (`SpoolWriter`, by the node process) and read
-(`read_spool`, `stream_spool`, `wait_manifest`, by engines) only here.
+(`read_spool`, `stream_spool`, `wait_manifest`, and `SpoolSource`, the transport seam's source
+on a spool, by engines) only here.
 
 Layout of a spool directory, every file written atomically (temporary name, then rename):
 
@@ -173,3 +174,34 @@ def stream_spool(
         else:
             time.sleep(delay)
             delay = min(0.05, delay * 1.5)
+
+
+class SpoolSource:
+    """`seam.PayloadSource` on a relay node's spool (spec kind ``spool``)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:
+        """Every payload the node's manifest notice lists, in (owner, sequence) order: waits
+        for the notice (written before the node acknowledges the attempt up the tree), raises
+        TransportError when the attempt was abandoned or a listed payload is not spooled."""
+        ids = wait_manifest(self.directory, version, attempt, timeout_s)
+        payloads = read_spool(self.directory, version, attempt)
+        have = {peek_header(p, verify=False).payload_id_hex for p in payloads}
+        if have != ids:
+            raise TransportError(
+                f"version {version} attempt {attempt} in {self.directory}: "
+                f"{len(ids - have)} listed payload(s) missing, {len(have - ids)} not listed"
+            )
+        yield from payloads
+
+    def stream(
+        self,
+        version: int,
+        attempt: int,
+        timeout_s: float = 60.0,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[bytes]:
+        return stream_spool(self.directory, version, attempt, timeout_s, cancelled=cancelled)
