@@ -149,15 +149,6 @@ class Demo:
         )
         return {"kind": "s3", "bucket": a.bucket, "endpoint_url": endpoint, "prefix": "demo"}
 
-    def _abandon_relay(self, version: int, attempt: int, reason: str) -> None:
-        from shared_codec.transport.relay import RelaySender
-
-        sender = RelaySender(self.relay_root)
-        try:
-            sender.abandon(version, attempt, reason)
-        finally:
-            sender.close()
-
     def _start_relay_tree(self) -> str:
         """A root relay node (the rollout cluster's entry) and one child node on the rollout
         engine's host that spools payloads for it; returns the root's address."""
@@ -198,12 +189,14 @@ class Demo:
             # the control records live in a local directory; payloads travel over the tree:
             # trainer ranks -> root -> node "rollout0", which spools them for its engine
             self.store = open_store({"kind": "dir", "root": str(self.work / "control")})
-            root = self.relay_root = self._start_relay_tree()
+            root = self._start_relay_tree()
             self.spec = {"kind": "spool", "root": str(self.work / "spool-rollout0")}
+            self.sink_spec: dict[str, Any] = {"kind": "relay", "root": root}
             transport_args = ["--relay", root]
         else:
             self.spec = self._store_spec()  # may set AWS_* for a local moto: before copying env
             self.store = open_store(self.spec)
+            self.sink_spec = self.spec
             transport_args = ["--store", json.dumps(self.spec)]
         env = base_env(VLLM_SERVER_DEV_MODE="1")
         endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -272,8 +265,7 @@ class Demo:
             # pipelined: the engine fetches (object stores) or reads the node's spool (relay) and
             # applies each payload while the trainer still builds; an attempt whose build
             # failed is abandoned through the store or down the tree
-            payload_store=None if self.args.transport == "relay" else self.store,
-            abandon=self._abandon_relay if self.args.transport == "relay" else None,
+            transport=self.sink_spec,
         )
         self.coord.initialize("export-v0")
         self.log("ready: every engine holds v0, commit record v0 written")

@@ -7,10 +7,11 @@ every rank runs it collectively, and rank 0 replies ``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``. An error on any rank fails the whole request.
 
 Built-in ops:
-- ``build`` {version, attempt, retry}: ``hook.build`` with each rank's payloads uploaded by an
-  `ObjectPublisher` (owner id = global rank); after every rank finished its uploads and owner
-  list, rank 0 writes the attempt manifest. Reply: ``baseline_id``, summed payload bytes,
-  element change rate, slowest build seconds.
+- ``build`` {version, attempt, retry}: ``hook.build`` with each rank's payloads sent into its
+  payload sink (`shared_codec.transport.seam.open_sink` on the service's transport spec, owner
+  id = global rank); after every rank finished its sink, rank 0 seals the attempt (manifest or
+  relay-tree completion). Reply: ``baseline_id``, summed payload bytes and count, element
+  change rate, slowest build seconds.
 - ``commit`` {version}: owners advance their baselines (idempotent for the committed version).
 - ``abort`` {version, attempt}: keep the committed baseline.
 - ``status``; ``stop`` (reply, then `serve` returns).
@@ -19,7 +20,7 @@ dict``, called on every rank; rank 0's result is the reply.
 
 Limitations:
 1. One request at a time (REP); the coordinator's timeout must cover a whole build.
-2. The store must be reachable from every trainer rank (each uploads its own payloads).
+2. The transport must be reachable from every trainer rank (each sends its own payloads).
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_dcr_hooks.hook import DCRHook
-from shared_codec.transport.objects import ObjectPublisher, write_manifest
-from shared_codec.transport.store import ObjectStore
+from shared_codec.transport.seam import SINK_KINDS, Seal, open_sink, parse_spec
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -74,19 +74,15 @@ class OwnerService:
     def __init__(
         self,
         hook: DCRHook,
-        store: ObjectStore | None,
+        transport: str | Mapping[str, Any],
         endpoint: str,
         handlers: dict[str, Handler] | None = None,
-        relay: str | None = None,
-        relay_timeout_s: float = 60.0,
     ) -> None:
-        if (store is None) == (relay is None):
-            raise ValueError("OwnerService needs exactly one transport: a store or a relay root")
+        """`transport`: the sink spec every rank sends its payloads to
+        (`shared_codec.transport.seam`: kinds dir, s3, relay); `endpoint`: rank 0's REP
+        address; `handlers`: user ops."""
         self.hook = hook
-        self.store = store
-        self.relay = relay
-        self.relay_timeout_s = relay_timeout_s
-        self._sender: Any = None
+        self.transport = parse_spec(transport, SINK_KINDS)
         self.endpoint = endpoint
         self.handlers = dict(handlers or {})
         self.rank = dist.get_rank()
@@ -94,96 +90,51 @@ class OwnerService:
 
     # -- ops (every rank) ----------------------------------------------------------------------
     def _build(self, req: dict[str, Any]) -> dict[str, Any]:
-        if self.relay is not None:
-            return self._build_relay(req)
-        assert self.store is not None
+        """Every rank sends its payloads into its sink while constructing and finishes it;
+        after every rank reported (errors included: collectives never diverge), rank 0 seals
+        the attempt (the object-store manifest, or the relay tree's completion: every node
+        holds every payload). An error anywhere fails the request on every rank."""
         version, attempt = int(req["version"]), int(req["attempt"])
         retry = bool(req.get("retry", False))
         base = self.hook.committed_version
-        pub = ObjectPublisher(self.store, version=version, attempt=attempt, owner=self.rank)
-        try:
-            rep = self.hook.build(version, attempt, retry=retry, sink=pub.send)
-        finally:
-            listing = pub.finish()
-        stats = torch.tensor(
-            [rep.payload_bytes, len(listing["payloads"]), rep.seconds], dtype=torch.float64
-        )
-        total = stats.clone()
-        dist.all_reduce(total)
-        slowest = stats.clone()
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        dist.barrier()  # every owner list exists before the manifest names it
-        if self.rank == 0:
-            write_manifest(
-                self.store,
-                version=version,
-                base_version=base,
-                attempt=attempt,
-                owners=list(range(self.world)),
-            )
-        dist.barrier()
-        return {
-            "baseline_id": f"owners-v{base}",
-            "version": version,
-            "attempt": attempt,
-            "retry": retry,
-            "payload_bytes": int(total[0]),
-            "payloads": int(total[1]),
-            "build_s": float(slowest[2]),
-            "element_change_rate": rep.element_change_rate,
-        }
-
-    def _build_relay(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Every rank streams its payloads to the relay root while constructing; rank 0 then
-        sends the attempt's manifest (every rank's payload ids) and waits for the tree's
-        completion acknowledgement (every node holds every payload, or the failed nodes)."""
-        from shared_codec.format import peek_header
-        from shared_codec.transport.relay import RelaySender
-
-        version, attempt = int(req["version"]), int(req["attempt"])
-        retry = bool(req.get("retry", False))
-        base = self.hook.committed_version
-        if self._sender is None:
-            self._sender = RelaySender(str(self.relay), ack_timeout_s=self.relay_timeout_s)
-        ids: list[str] = []
-        sent = [0]
-
-        def send(payload: bytes) -> None:
-            self._sender.send(payload)
-            ids.append(peek_header(payload, verify=False).payload_id_hex)
-            sent[0] += len(payload)
-
-        error = ""
-        try:
-            rep = self.hook.build(version, attempt, retry=retry, sink=send)
-            self._sender.flush()
-        except Exception as e:  # reported after the collectives below, never between them
-            error, rep = f"{type(e).__name__}: {e}", None
-        per_rank = _gather_json({"ids": ids, "error": error, "seconds": rep.seconds if rep else 0})
-        errors = [r["error"] for r in per_rank if r["error"]]
-        ack_error = ""
-        if self.rank == 0 and not errors:
+        error, rep, report = "", None, None
+        with open_sink(self.transport, version=version, attempt=attempt, owner=self.rank) as sink:
             try:
-                self._sender.complete(
-                    attempt,
-                    [i for r in per_rank for i in r["ids"]],
-                    self.relay_timeout_s,
-                    version=version,
-                )
-            except Exception as e:
-                ack_error = f"{type(e).__name__}: {e}"
-        ack_error = _broadcast_json(ack_error)
-        if errors or ack_error:
-            raise RuntimeError("; ".join(errors) or ack_error)
+                rep = self.hook.build(version, attempt, retry=retry, sink=sink.send)
+                report = sink.finish()
+            except Exception as e:  # reported after the collectives below, never between them
+                error = f"{type(e).__name__}: {e}"
+            per_rank = _gather_json(
+                {
+                    "ids": list(report.payload_ids) if report else [],
+                    "bytes": report.bytes if report else 0,
+                    "error": error,
+                    "seconds": rep.seconds if rep else 0.0,
+                }
+            )
+            errors = [f"rank {i}: {r['error']}" for i, r in enumerate(per_rank) if r["error"]]
+            seal_error = ""
+            if self.rank == 0 and not errors:
+                try:
+                    sink.seal(
+                        Seal(
+                            base_version=base,
+                            owners=tuple(range(self.world)),
+                            payload_ids=tuple(i for r in per_rank for i in r["ids"]),
+                        )
+                    )
+                except Exception as e:
+                    seal_error = f"{type(e).__name__}: {e}"
+            seal_error = _broadcast_json(seal_error)
+        if errors or seal_error:
+            raise RuntimeError("; ".join(errors) or seal_error)
         assert rep is not None
-        total = torch.tensor([float(sent[0])], dtype=torch.float64)
-        dist.all_reduce(total)
         return {
             "baseline_id": f"owners-v{base}",
             "version": version,
             "attempt": attempt,
             "retry": retry,
-            "payload_bytes": int(total[0]),
+            "payload_bytes": sum(int(r["bytes"]) for r in per_rank),
             "payloads": sum(len(r["ids"]) for r in per_rank),
             "build_s": max(float(r["seconds"]) for r in per_rank),
             "element_change_rate": rep.element_change_rate,

@@ -95,7 +95,7 @@ class Cluster:
             self.receivers,  # type: ignore[arg-type]
             CoordinatorConfig(**config),  # type: ignore[arg-type]
             log=lambda m: print(f"[coordinator] {m}", flush=True),
-            payload_store=self.store,  # pipelined: receivers fetch + apply during the build
+            transport=self.store_spec,  # pipelined: receivers fetch + apply during the build
         )
 
     def dense_digest(self, version: int, receiver: int = 0) -> str:

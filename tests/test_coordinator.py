@@ -194,7 +194,7 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         cluster.owners.call("train", step=5)
         failing = FailingOwners(cluster.owners)
         coord5 = Coordinator(
-            cluster.store, failing, cluster.receivers, fresh.config, payload_store=cluster.store
+            cluster.store, failing, cluster.receivers, fresh.config, transport=cluster.store_spec
         )
         res = coord5.refit()
         first = res.attempts[0]

@@ -131,7 +131,7 @@ def run(
                 CoordinatorConfig(
                     record_digests=False, ack_timeout_s=900, pipeline=mode == "pipelined"
                 ),
-                payload_store=DirectoryStore(work / "store"),  # the abandon marker only
+                transport={"kind": "dir", "root": str(work / "store")},  # the abandon marker only
             )
             for mode in MODES
         }

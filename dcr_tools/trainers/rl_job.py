@@ -42,7 +42,6 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
     from megatron_dcr_hooks.service import Handler, OwnerService
     from shared_codec.checkpoint import save_checkpoint
-    from shared_codec.transport.store import open_store
 
     trainer = Trainer(model, cfg, distributed_optimizer=False, lr=args.lr)
     hook = DCRHook(
@@ -78,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     if bool(args.store) == bool(args.relay):
         raise SystemExit("rl_trainer: give exactly one of --store SPEC and --relay ADDRESS")
-    store = open_store(args.store) if args.store else None
-    OwnerService(hook, store, args.endpoint, handlers, relay=args.relay or None).serve()
+    # one sink spec either way (shared_codec.transport.seam): a store, or the relay tree's root
+    transport = args.store or {"kind": "relay", "root": args.relay}
+    OwnerService(hook, transport, args.endpoint, handlers).serve()
     dist.destroy_process_group()
 
 

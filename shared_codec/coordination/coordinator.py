@@ -14,12 +14,13 @@ out to every trainer rank / every engine rank behind them):
 3. ``open_apply``: every required engine gets the attempt delivered (fetched / streamed and
    staged) and applies it (``dcr_apply``), concurrently, each within its deadline. An ACK that is
    not ok, a raised error, or a missed deadline fails the attempt and names the engine.
-   Pipelined (the default when the coordinator can abandon an attempt: given the
-   `payload_store` or an `abandon` callable): the engines' apply calls start together with
-   ``owners.build``, so engines fetch and apply payload l while owners still build l + 1 (the
-   paper's Figure 8); if the build fails, the coordinator abandons the attempt (a marker in the
-   store, or an ``abandon`` message down the relay tree) so waiting engines stop at once
-   (their partial applies make them dirty; the fence and the overwrite retry repair that).
+   Pipelined (the default when the coordinator can abandon an attempt: given the owners'
+   `transport` spec): the engines' apply calls start together with ``owners.build``, so
+   engines fetch and apply payload l while owners still build l + 1 (the paper's Figure 8);
+   if the build fails, the coordinator abandons the attempt through a sink of that transport
+   (`seam.open_sink(...).abandon`: a marker in the store, or an abandon message down the relay
+   tree) so waiting engines stop at once (their partial applies make them dirty; the fence and
+   the overwrite retry repair that).
 4. Joint commit: only when every required engine ACKed ok, the coordinator compare-and-sets
    the commit record (version, baseline id, attempt, engines, per-engine digests). Then
    engines and owners are told to commit (owners advance their baselines in place).
@@ -49,7 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from typing import Any, Protocol
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
 from shared_codec.errors import DCRError, RefitFailed
+from shared_codec.transport.seam import SINK_KINDS, open_sink, parse_spec
 from shared_codec.transport.store import ObjectStore
 
 ATTEMPTS = "attempts/"
@@ -149,13 +151,12 @@ class Coordinator:
         engines: list[Engine],
         config: CoordinatorConfig | None = None,
         log: Callable[[str], None] | None = None,
-        payload_store: ObjectStore | None = None,
-        abandon: Callable[[int, int, str], None] | None = None,
+        transport: str | Mapping[str, Any] | None = None,
     ) -> None:
-        """`control`: where the commit and attempt records live. Pipelining needs a way to tell
-        waiting engines that an attempt was given up: `payload_store` (the object store the
-        owners publish to: the abandon marker is written there) or `abandon(version, attempt,
-        reason)` (e.g. ``RelaySender(root).abandon`` for relay-tree delivery)."""
+        """`control`: where the commit and attempt records live. `transport`: the sink spec the
+        owners send payloads to (`shared_codec.transport.seam`: kinds dir, s3, relay - the
+        same spec the owner service is given); with it the coordinator can abandon an attempt
+        (waiting engines stop at once), which pipelining needs."""
         names = [r.name for r in engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
@@ -165,13 +166,14 @@ class Coordinator:
         self.engines = list(engines)
         self.config = config or CoordinatorConfig()
         self.log = log or _log.info
-        if abandon is None and payload_store is not None:
-            from shared_codec.transport.objects import abandon_attempt
+        self.transport = None if transport is None else parse_spec(transport, SINK_KINDS)
 
-            def abandon(version: int, attempt: int, reason: str) -> None:
-                abandon_attempt(payload_store, version=version, attempt=attempt, reason=reason)
-
-        self.abandon = abandon
+    def abandon(self, version: int, attempt: int, reason: str) -> None:
+        """Tell every source of (`version`, `attempt`) that it was given up (needs `transport`)."""
+        if self.transport is None:
+            raise ValueError("abandoning an attempt needs the coordinator's transport spec")
+        with open_sink(self.transport, version=version, attempt=attempt) as sink:
+            sink.abandon(reason)
 
     # -- state from the control store ---------------------------------------------------------
     def committed_version(self) -> int:
@@ -256,7 +258,7 @@ class Coordinator:
     def _attempt(self, version: int, attempt: int, retry: bool) -> AttemptResult:
         res = AttemptResult(attempt=attempt, retry=retry, ok=False)
         self.log(f"version {version} attempt {attempt}{' (retry: overwrites)' if retry else ''}")
-        pipelined = self.config.pipeline and self.abandon is not None
+        pipelined = self.config.pipeline and self.transport is not None
         timeout = self.config.ack_timeout_s
         pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
         futures: dict[str, Any] = {}
@@ -276,7 +278,6 @@ class Coordinator:
         except Exception as e:
             res.failed["owners"] = f"{type(e).__name__}: {e}"
             if pipelined:
-                assert self.abandon is not None
                 try:
                     self.abandon(version, attempt, res.failed["owners"])
                 except Exception as e:  # engines then run into their deadline

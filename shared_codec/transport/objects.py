@@ -20,6 +20,9 @@ while l + 1 is still being built or uploaded), and checks the set against the ma
 is written. A coordinator whose owners failed writes the attempt's ``abandoned.json``
 (`abandon_attempt`) so that waiting fetchers stop at once instead of at their timeout.
 
+Behind the transport seam (`seam.py`): `ObjectSink` is the sink (publisher, manifest as the
+seal, abandon marker) and `ObjectFetcher` the source of the ``dir`` and ``s3`` spec kinds.
+
 Cleanup policy: objects of attempts of versions older than the committed version are garbage;
 `cleanup(store, committed_version, keep=1)` deletes every attempt of versions below
 ``committed_version - keep + 1`` (the committed version's own attempts are kept for receivers
@@ -36,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from shared_codec.errors import PayloadError
 from shared_codec.format import peek_header
+from shared_codec.transport.seam import Seal, SinkReport
 from shared_codec.transport.store import ObjectStore, TransportError
 
 
@@ -141,6 +145,62 @@ def abandon_attempt(store: ObjectStore, *, version: int, attempt: int, reason: s
         f"{attempt_prefix(version, attempt)}abandoned.json",
         json.dumps({"version": version, "attempt": attempt, "reason": reason}).encode(),
     )
+
+
+class ObjectSink:
+    """`seam.PayloadSink` on an object store: an `ObjectPublisher` for an owner, the manifest
+    as the seal, the ``abandoned.json`` marker as the abandon. Without an owner (the
+    coordinator) it sends nothing."""
+
+    def __init__(
+        self, store: ObjectStore, *, version: int, attempt: int, owner: int | None = None
+    ) -> None:
+        self.store = store
+        self.version, self.attempt, self.owner = version, attempt, owner
+        self._pub = (
+            None
+            if owner is None
+            else ObjectPublisher(store, version=version, attempt=attempt, owner=owner)
+        )
+        self._finished = False
+
+    def send(self, payload: bytes) -> None:
+        if self._pub is None:
+            raise ValueError("a sink opened without an owner cannot send payloads")
+        self._pub.send(payload)
+
+    def finish(self) -> SinkReport:
+        if self._pub is None:
+            return SinkReport(payload_ids=(), bytes=0)
+        listing = self._pub.finish()
+        self._finished = True
+        return SinkReport(
+            payload_ids=tuple(e["payload_id"] for e in listing["payloads"]),
+            bytes=self._pub.bytes_uploaded,
+        )
+
+    def seal(self, seal: Seal) -> None:
+        write_manifest(
+            self.store,
+            version=self.version,
+            base_version=seal.base_version,
+            attempt=self.attempt,
+            owners=list(seal.owners),
+        )
+
+    def abandon(self, reason: str) -> None:
+        abandon_attempt(self.store, version=self.version, attempt=self.attempt, reason=reason)
+
+    def close(self) -> None:
+        """Waits for uploads still running (a sink given up without `finish`); writes no list."""
+        if self._pub is not None and not self._finished:
+            self._pub._pool.shutdown(wait=True)
+
+    def __enter__(self) -> ObjectSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class ObjectFetcher:

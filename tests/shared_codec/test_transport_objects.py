@@ -243,3 +243,71 @@ def test_stream_yields_payloads_before_the_manifest(kind, tmp_path, moto_endpoin
         list(ObjectFetcher(store).stream(7, 0, timeout_s=10))
     with pytest.raises(TransportError, match="abandoned"):
         ObjectFetcher(store).manifest(7, 0, timeout_s=10)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("kind", ["dir", "s3"])
+def test_sink_and_source_seam(kind, tmp_path, moto_endpoint) -> None:
+    """`open_sink` / `open_source` on one spec: owners' sinks carry their payloads, the source
+    streams them before the seal and fetches them (in (owner, sequence) order) after it; a
+    sink opened without an owner (the coordinator) abandons an attempt, which stops both
+    `fetch` and `stream`; a cancelled stream ends quietly."""
+    import json
+
+    from shared_codec.transport import Seal, open_sink, open_source
+
+    if kind == "dir":
+        spec: dict = {"kind": "dir", "root": str(tmp_path / "seam")}
+    else:
+        S3Store("bucket-seam", endpoint_url=moto_endpoint, create_bucket=True)
+        spec = {"kind": "s3", "bucket": "bucket-seam", "endpoint_url": moto_endpoint, "prefix": "p"}
+    mine = {o: _payloads(o, version=8, attempt=0) for o in (0, 1)}
+    source = open_source(json.dumps(spec))
+    stream = source.stream(8, 0, timeout_s=20)
+    sinks = {o: open_sink(spec, version=8, attempt=0, owner=o) for o in (0, 1)}
+    sinks[0].send(mine[0][0])
+    sinks[0]._pub._futures[0].result()  # type: ignore[attr-defined]
+    got = [next(stream)]  # before anything else, let alone the seal, exists
+    assert got == mine[0][:1]
+    for o in (0, 1):
+        for p in mine[o][1 if o == 0 else 0 :]:
+            sinks[o].send(p)
+    reports = {o: sinks[o].finish() for o in (0, 1)}
+    for o in (0, 1):
+        assert len(reports[o].payload_ids) == len(mine[o])
+        assert reports[o].bytes == sum(len(p) for p in mine[o])
+    with pytest.raises(TransportError, match="no manifest"):
+        list(source.fetch(8, 0, timeout_s=0.3))
+    ids = tuple(i for o in (0, 1) for i in reports[o].payload_ids)
+    sinks[0].seal(Seal(base_version=7, owners=(0, 1), payload_ids=ids))
+    got.extend(stream)
+    assert sorted(got) == sorted(mine[0] + mine[1])  # each exactly once
+    assert list(source.fetch(8, 0, timeout_s=5)) == mine[0] + mine[1]
+    for s in sinks.values():
+        s.close()
+
+    with open_sink(spec, version=9, attempt=0) as coordinator:
+        with pytest.raises(ValueError, match="without an owner"):
+            coordinator.send(mine[0][0])
+        coordinator.abandon("owners failed: rank 1 died")
+    for it in (source.fetch(9, 0, timeout_s=10), source.stream(9, 0, timeout_s=10)):
+        with pytest.raises(TransportError, match="abandoned by the coordinator: owners failed"):
+            list(it)
+    assert list(source.stream(10, 0, timeout_s=10, cancelled=lambda: True)) == []
+
+
+def test_transport_specs_are_validated(tmp_path: Path) -> None:
+    """A sink spec names where payloads go (dir, s3, relay), a source spec where a rollout node
+    reads them (dir, s3, spool); anything else is a ValueError before any I/O."""
+    from shared_codec.transport import open_sink, open_source
+
+    for bad, why in (
+        ({"kind": "spool", "root": str(tmp_path)}, "kind must be one of"),
+        ({"kind": "dir"}, "needs 'root'"),
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            open_sink(bad, version=1, attempt=0, owner=0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        open_source({"kind": "relay", "root": "tcp://127.0.0.1:1"})

@@ -118,8 +118,8 @@ def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
         senders[0].send(owners[0][0])  # a duplicate: suppressed, still acknowledged
         for s in senders:
             s.flush()
-        ack = senders[0].complete(0, ids, timeout_s=20)
-        assert ack["complete"] and ack["failed"] == []
+        ack = senders[0].complete(1, 0, ids, timeout_s=20)
+        assert ack.complete and ack.failed == ()
         everything = {
             peek_header(p, verify=False).payload_id_hex: p for ps in owners.values() for p in ps
         }
@@ -163,8 +163,8 @@ def test_stream_spool_yields_payloads_as_they_arrive_and_stops_on_abandon(tmp_pa
         assert got == payloads[:1]
         for p in payloads[1:]:
             sender.send(p)
-        ack = sender.complete(0, ids, timeout_s=20, version=1)
-        assert ack["complete"]
+        ack = sender.complete(1, 0, ids, timeout_s=20)
+        assert ack.complete
         got.extend(stream)
         assert sorted(got) == sorted(payloads) and len(got) == len(payloads)
         sender.abandon(2, 0, "owners failed: rank 1 died")
@@ -189,7 +189,7 @@ def test_killed_node_fails_the_attempt_naming_it(tmp_path: Path) -> None:
         for p in payloads[3:]:
             sender.send(p)
         with pytest.raises(TransportError, match="node3"):
-            sender.complete(0, ids, timeout_s=8)
+            sender.complete(1, 0, ids, timeout_s=8)
         sender.close()
     finally:
         tree.stop()
@@ -214,8 +214,127 @@ def test_curve_refuses_unauthenticated_peers(tmp_path: Path) -> None:
         good = RelaySender(tree.addrs[0], keys=owner, root_public=tree.keys[0].public)
         for p in payloads:
             good.send(p)
-        assert good.complete(0, ids, timeout_s=15)["complete"]
+        assert good.complete(1, 0, ids, timeout_s=15).complete
         assert all(sorted(tree.delivered(i)) == sorted(ids) for i in range(4))
         good.close()
+    finally:
+        tree.stop()
+
+
+def test_messages_round_trip_and_malformed_input_is_refused() -> None:
+    """Every message kind survives encode/decode; malformed headers raise RelayMessageError (a
+    TransportError) instead of reaching a node's or sender's logic."""
+    from shared_codec.transport.relay import messages as m
+
+    for msg in (
+        m.Payload(version=3, attempt=1, payload_id="ab"),
+        m.PayloadAck(payload_id="ab", ok=False, node="n0", error="bad"),
+        m.Manifest(version=3, attempt=1, payload_ids=("ab", "cd"), timeout_s=5.0),
+        m.ManifestAck(version=3, attempt=1, complete=False, failed=("n2",), node="n0"),
+        m.Abandon(version=3, attempt=1, reason="owners failed"),
+        m.AbandonAck(version=3, attempt=1),
+        m.Refused(node="n0", error="why"),
+    ):
+        assert m.decode(m.encode(msg)) == msg
+    for bad, why in (
+        (b"\xff", "not JSON"),
+        (b"[1]", "JSON object"),
+        (b'{"type": "forget", "attempt": 0}', "unknown relay message type"),
+        (b'{"type": "manifest", "attempt": 0, "payload_ids": []}', "lacks 'version'"),
+        (b'{"type": "abandon", "version": "1", "attempt": 0, "reason": ""}', "must be int"),
+        (b'{"type": "abandon", "version": -1, "attempt": 0, "reason": ""}', ">= 0"),
+        (b'{"type": "manifest", "version": 1, "attempt": 0, "payload_ids": [1]}', "must be"),
+        (b'{"type": "payload_ack", "payload_id": "a", "ok": 1, "node": "n"}', "must be bool"),
+        (b'{"type": "abandon_ack", "version": 1, "attempt": 0, "x": 0}', "unknown fields"),
+    ):
+        with pytest.raises(TransportError, match=why):
+            m.decode(bad)
+
+
+@pytest.mark.zmq
+def test_node_refuses_malformed_messages_and_keeps_serving() -> None:
+    """A malformed header gets a `Refused` answer naming the reason (the node keeps serving);
+    a payload frame whose header disagrees with the message is refused, never delivered."""
+    import threading
+
+    import zmq
+
+    from shared_codec.transport.relay import RelayNode
+    from shared_codec.transport.relay import messages as m
+
+    got: list[bytes] = []
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    node = RelayNode("n0", addr, deliver=got.append)
+    threading.Thread(target=node.serve, daemon=True).start()
+    assert node.ready.wait(10)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(addr)
+    try:
+        s.send_multipart([b'{"type": "manifest", "attempt": 0}'])
+        assert s.poll(5000)
+        reply = m.decode(s.recv())
+        assert isinstance(reply, m.Refused) and "lacks" in reply.error
+        payload = _payloads(0, n_items=1)[0]
+        pid = peek_header(payload, verify=False).payload_id_hex
+        wrong = m.Payload(version=2, attempt=0, payload_id=pid)  # the payload is version 1
+        s.send_multipart([m.encode(wrong), payload])
+        assert s.poll(5000)
+        ack = m.decode(s.recv())
+        assert isinstance(ack, m.PayloadAck) and not ack.ok and got == []
+        sender = RelaySender(addr)
+        sender.send(payload)
+        sender.flush()
+        assert got == [payload]
+        sender.close()
+    finally:
+        s.close(0)
+        ctx.term()
+        node.stop()
+
+
+@pytest.mark.zmq
+def test_relay_sink_and_spool_source_seam(tmp_path: Path) -> None:
+    """The seam on a relay tree: owners' sinks (spec kind ``relay``) send to the root; a leaf's
+    spool source (kind ``spool``) streams payloads before the seal; the seal returns once the
+    whole tree holds them, after which `fetch` on every node yields them in (owner, sequence)
+    order; the coordinator's sink (no owner) abandons an attempt, stopping `fetch` and
+    `stream` at the leaves."""
+    from shared_codec.transport import Seal, open_sink, open_source
+
+    tree = Tree(tmp_path)
+    try:
+        spec = {"kind": "relay", "root": tree.addrs[0], "timeout_s": 20}
+        mine = {o: _payloads(o) for o in (0, 1)}
+        leaf = open_source({"kind": "spool", "root": str(tree.dirs[3])})
+        stream = leaf.stream(1, 0, timeout_s=20)
+        sinks = {o: open_sink(spec, version=1, attempt=0, owner=o) for o in (0, 1)}
+        sinks[0].send(mine[0][0])
+        sinks[0].finish()
+        got = [next(stream)]
+        assert got == mine[0][:1]
+        for o in (0, 1):
+            for p in mine[o][1 if o == 0 else 0 :]:
+                sinks[o].send(p)
+        reports = {o: sinks[o].finish() for o in (0, 1)}
+        assert [len(reports[o].payload_ids) for o in (0, 1)] == [len(mine[0]), len(mine[1])]
+        with pytest.raises(TransportError, match="no manifest notice"):
+            list(leaf.fetch(1, 0, timeout_s=0.3))
+        ids = tuple(i for o in (0, 1) for i in reports[o].payload_ids)
+        sinks[0].seal(Seal(base_version=0, owners=(0, 1), payload_ids=ids))
+        got.extend(stream)
+        assert sorted(got) == sorted(mine[0] + mine[1])
+        for d in tree.dirs:
+            assert list(open_source({"kind": "spool", "root": str(d)}).fetch(1, 0)) == (
+                mine[0] + mine[1]
+            )
+        for s in sinks.values():
+            s.close()
+        with open_sink(spec, version=2, attempt=0) as coordinator:
+            coordinator.abandon("owners failed: rank 1 died")
+        for it in (leaf.fetch(2, 0, timeout_s=10), leaf.stream(2, 0, timeout_s=10)):
+            with pytest.raises(TransportError, match="abandoned by the coordinator: owners"):
+                list(it)
     finally:
         tree.stop()

@@ -6,6 +6,7 @@ with a dense load of v1. Writes a JSON report."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import threading
@@ -49,7 +50,7 @@ def main() -> None:
         sender.send(p)
     sender.send(payloads[0])  # a duplicate on the wire: suppressed by the relay
     ack = sender.complete(
-        0, [peek_header(p, verify=False).payload_id_hex for p in payloads], timeout_s=60
+        1, 0, [peek_header(p, verify=False).payload_id_hex for p in payloads], timeout_s=60
     )
     status = client.call("dcr_status")
     acks = client.apply(0, verify=True)
@@ -62,7 +63,7 @@ def main() -> None:
         json.dumps(
             {
                 "n_payloads": len(payloads),
-                "tree_ack": ack,
+                "tree_ack": dataclasses.asdict(ack),
                 "staged_before_apply": status,
                 "acks": acks,
                 "relay_duplicates": node.duplicates,

@@ -1,0 +1,171 @@
+"""Relay wire messages: one frozen dataclass per kind, keyed by (version, attempt).
+
+Every message is a JSON header frame (``{"type": <kind>, ...fields}``, UTF-8); a `Payload`
+message is followed by exactly one more frame, the payload bytes. `encode` writes the header
+frame; `decode` parses one and validates it (known kind, every required field present and of
+its type, no unknown fields) before any node or sender acts on it, raising `RelayMessageError`
+otherwise.
+
+Kinds and who sends them (the module docstring of the package tells the protocol):
+
+- `Payload` (sender -> node, node -> child) and its `PayloadAck` (queueing acknowledgement);
+- `Manifest` (the attempt's payload ids: the party closing the attempt -> root -> children) and
+  its `ManifestAck` (completion acknowledgement, aggregated up the tree);
+- `Abandon` (the coordinator gave the attempt up; root -> children) and its `AbandonAck`;
+- `Refused` (a node could not parse a message: the sender learns why instead of timing out).
+
+Limitations:
+1. The field sets are version 1 of the relay protocol; peers of one tree run the same code
+   (there is no negotiation). New fields must get defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from shared_codec.transport.store import TransportError
+
+
+class RelayMessageError(TransportError):
+    """A relay message was malformed (not JSON, unknown kind, missing or mistyped field). State
+    left behind: the message was not acted on; a node answers `Refused` and keeps serving."""
+
+
+class Kind(StrEnum):
+    PAYLOAD = "payload"
+    PAYLOAD_ACK = "payload_ack"
+    MANIFEST = "manifest"
+    MANIFEST_ACK = "manifest_ack"
+    ABANDON = "abandon"
+    ABANDON_ACK = "abandon_ack"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Payload:
+    """Header of a payload frame: the payload's (version, attempt) and id (hex)."""
+
+    KIND: ClassVar[Kind] = Kind.PAYLOAD
+    version: int
+    attempt: int
+    payload_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadAck:
+    """A node queued (`ok`) or refused a payload; `duplicate`: it had it already."""
+
+    KIND: ClassVar[Kind] = Kind.PAYLOAD_ACK
+    payload_id: str
+    ok: bool
+    node: str
+    duplicate: bool = False
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """Every payload id of (version, attempt); a node answers within `timeout_s`."""
+
+    KIND: ClassVar[Kind] = Kind.MANIFEST
+    version: int
+    attempt: int
+    payload_ids: tuple[str, ...]
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManifestAck:
+    """The subtree under `node` holds every listed payload (`complete`) or names `failed`."""
+
+    KIND: ClassVar[Kind] = Kind.MANIFEST_ACK
+    version: int
+    attempt: int
+    complete: bool
+    failed: tuple[str, ...]
+    node: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Abandon:
+    """The coordinator gave (version, attempt) up for `reason`."""
+
+    KIND: ClassVar[Kind] = Kind.ABANDON
+    version: int
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbandonAck:
+    KIND: ClassVar[Kind] = Kind.ABANDON_ACK
+    version: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """`node` could not parse a message (`error` says why)."""
+
+    KIND: ClassVar[Kind] = Kind.REFUSED
+    node: str
+    error: str
+
+
+Message = Payload | PayloadAck | Manifest | ManifestAck | Abandon | AbandonAck | Refused
+
+_CLASSES: dict[str, type] = {
+    c.KIND.value: c
+    for c in (Payload, PayloadAck, Manifest, ManifestAck, Abandon, AbandonAck, Refused)
+}
+# JSON type accepted for each annotated field type (bool is not an int here)
+_CHECKS: dict[str, Any] = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "tuple[str, ...]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}
+
+
+def encode(msg: Message) -> bytes:
+    """The header frame of `msg`."""
+    body: dict[str, Any] = {"type": msg.KIND.value}
+    for f in fields(msg):
+        v = getattr(msg, f.name)
+        body[f.name] = list(v) if isinstance(v, tuple) else v
+    return json.dumps(body).encode()
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one header frame; raises `RelayMessageError` on malformed input."""
+    try:
+        body = json.loads(bytes(frame))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RelayMessageError(f"relay message is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RelayMessageError(f"relay message must be a JSON object, got {type(body).__name__}")
+    kind = body.pop("type", None)
+    cls = _CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise RelayMessageError(f"unknown relay message type {kind!r}")
+    known = {f.name: f for f in fields(cls)}
+    extra = sorted(set(body) - set(known))
+    if extra:
+        raise RelayMessageError(f"relay {kind} message has unknown fields {extra}")
+    args: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in body:
+            if f.default is f.default_factory:  # both MISSING: a required field
+                raise RelayMessageError(f"relay {kind} message lacks {name!r}")
+            continue
+        v = body[name]
+        if not _CHECKS[str(f.type)](v):
+            raise RelayMessageError(f"relay {kind} message: {name!r} must be {f.type}, got {v!r}")
+        if str(f.type) == "int" and v < 0:
+            raise RelayMessageError(f"relay {kind} message: {name!r} must be >= 0, got {v}")
+        args[name] = tuple(v) if isinstance(v, list) else v
+    return cls(**args)  # type: ignore[no-any-return]
