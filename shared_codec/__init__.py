@@ -9,10 +9,12 @@ from shared_codec.errors import (
     CompatibilityError,
     DCRError,
     EngineUnreachable,
+    InjectedFailure,
     LoaderConditionError,
     PayloadError,
     ProtocolError,
     RefitFailed,
+    RelayMessageError,
     TransportError,
 )
 
@@ -26,7 +28,9 @@ __all__ = [
     "CompatibilityError",
     "DCRError",
     "EngineUnreachable",
+    "InjectedFailure",
     "RefitFailed",
+    "RelayMessageError",
     "TransportError",
     "FORMAT_VERSION",
     "LoaderConditionError",

@@ -8,9 +8,11 @@ an RPC or wire boundary are `ProtocolError` / `PayloadError`.
     ├── PayloadError          a payload failed validation (nothing staged or applied)
     ├── ProtocolError         a call out of order or with bad arguments (nothing changed)
     ├── LoaderConditionError  the loader path cannot apply exactly (refused at prewarm, or the
-    │                         attempt failed and needs an overwrite retry)
+    │   │                     attempt failed and needs an overwrite retry)
+    │   └── InjectedFailure   test-only fault plan (vllm_dcr_plugin.faults)
     ├── CompatibilityError    a dependency version the compatibility layers were not checked on
     ├── TransportError        a transport operation failed after its retries
+    │   └── RelayMessageError a malformed relay message (refused, not acted on)
     ├── CommitConflict        the commit compare-and-set lost
     ├── EngineUnreachable     a rollout engine did not answer
     └── RefitFailed           every attempt of a transition failed
@@ -44,6 +46,11 @@ class LoaderConditionError(DCRError):
     """
 
 
+class InjectedFailure(LoaderConditionError):
+    """Fault injection (``fail_after_items``): raised before the loader pulls the next item.
+    State left behind: the items applied before it (a partial apply; the receiver is dirty)."""
+
+
 class CompatibilityError(DCRError):
     """An installed dependency has a version this project's compatibility layer was not checked on.
 
@@ -54,6 +61,11 @@ class CompatibilityError(DCRError):
 class TransportError(DCRError):
     """A transport operation failed after its retries. State left behind: objects already
     written stay (uploads are idempotent by key); the attempt must be failed and retried."""
+
+
+class RelayMessageError(TransportError):
+    """A relay message was malformed (not JSON, unknown kind, missing or mistyped field). State
+    left behind: the message was not acted on; a node answers `Refused` and keeps serving."""
 
 
 class CommitConflict(DCRError):

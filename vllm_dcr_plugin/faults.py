@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from shared_codec.errors import LoaderConditionError, ProtocolError
+from shared_codec.errors import InjectedFailure, ProtocolError
 
 ENV = "DCR_FAULT_PLAN"
 ITEM_KEYS = ("fail_after_items", "kill_after_items")
@@ -47,11 +47,6 @@ _FIRES: dict[str, tuple[str, ...]] = {
     "apply": ITEM_KEYS,
     "pipelined": KEYS,
 }
-
-
-class InjectedFailure(LoaderConditionError):
-    """Fault injection (``fail_after_items``): raised before the loader pulls the next item.
-    State left behind: the items applied before it (a partial apply; the receiver is dirty)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,14 +1,14 @@
 """Where a rank's payloads of one attempt come from: an object store or a relay node's spool.
 
 Contract: `attempt_source(spec, version, attempt, timeout_s, key=..., streaming=...)` returns an
-iterable of payload bytes for the attempt. `spec` is a store spec (see
-`shared_codec.transport.store.open_store`) or ``{"kind": "spool", "root": DIR}`` (a relay-tree
-node's spool). Not streaming: every payload of the attempt's manifest (spool: of the node's
-manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch): payloads as
-their objects or spool files appear, before the manifest; object-store payloads are fetched by
-a background thread (`prefetched`) so the transport's waits overlap the caller's applies.
+iterable of payload bytes for the attempt, read through the transport seam's payload source
+(`shared_codec.transport.open_source`: ``dir``, ``s3`` or a relay node's ``spool``). Not
+streaming: every payload of the attempt's seal (manifest, or the node's manifest notice), waiting
+up to `timeout_s` for it. Streaming (pipelined fetch): payloads as their objects or spool files
+appear, before the seal, read by a background thread (`prefetched`) so the transport's waits
+overlap the caller's applies.
 
-A spec that `open_store` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
+A spec that `open_source` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
 validates specs before that (extension.py).
 """
 
@@ -32,24 +32,17 @@ def attempt_source(
     streaming: bool,
 ) -> Iterable[bytes]:
     """The payloads of (`version`, `attempt`) from `spec` (see the module docstring)."""
-    from shared_codec.transport.objects import ObjectFetcher
-    from shared_codec.transport.relay import read_spool, stream_spool
-    from shared_codec.transport.store import open_store
+    from shared_codec.transport.seam import open_source
 
-    if spec.get("kind") == "spool":  # payloads a relay-tree node wrote to local disk
-        if streaming:  # as they arrive, until the node's manifest notice
-            return stream_spool(str(spec["root"]), version, attempt, timeout_s)
-        return read_spool(str(spec["root"]), version, attempt)
     try:
-        store = open_store(spec)
+        source = open_source(spec, key=key)
     except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
         raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
-    fetcher = ObjectFetcher(store, key=key)
-    if streaming:  # fetched in a thread: the link's wait overlaps applies
+    if streaming:  # in a thread: the link's (or the spool's) waits overlap applies
         return prefetched(
-            lambda stop: fetcher.stream(version, attempt, timeout_s, cancelled=stop.is_set)
+            lambda stop: source.stream(version, attempt, timeout_s, cancelled=stop.is_set)
         )
-    return fetcher.fetch(version, attempt, timeout_s)
+    return source.fetch(version, attempt, timeout_s)
 
 
 def prefetched(

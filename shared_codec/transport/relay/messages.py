@@ -26,12 +26,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from shared_codec.transport.store import TransportError
-
-
-class RelayMessageError(TransportError):
-    """A relay message was malformed (not JSON, unknown kind, missing or mistyped field). State
-    left behind: the message was not acted on; a node answers `Refused` and keeps serving."""
+from shared_codec.errors import RelayMessageError
 
 
 class Kind(StrEnum):
