@@ -3,10 +3,12 @@
     from megatron_dcr_hooks import DCRConfig, enable_dcr
 
 Modules:
-- ``hook``: `DCRConfig`, `enable_dcr` and `DCRHook` (tasks, ownership, trackers, change
-  detection, projection, residual conversion, build/commit/abort/retry).
+- ``hook``: `DCRConfig`, `ConstructionMode`, `enable_dcr` and `DCRHook` (tasks, ownership,
+  trackers, change detection, projection, residual conversion, build/commit/abort/retry).
+- ``groups``: `ParallelGroups`, the process groups the hook is given (default: megatron-core's).
 - ``service``: the owner service a remote coordinator drives (ZeroMQ, JSON).
-- ``tasks`` / ``ownership``: conversion tasks measured from the bridge, and who owns what.
+- ``tasks`` / ``ownership``: conversion tasks (`TaskKind`) measured from the bridge, and who owns
+  what.
 - ``cpu_compat``: the CPU layer that lets real megatron-core run on gloo/CPU (trainer processes
   only; never imported by a vLLM process).
 - ``bridge_loader``: imports megatron-bridge's conversion modules without its package
@@ -21,7 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
-_LAZY = {"DCRConfig": "hook", "DCRHook": "hook", "enable_dcr": "hook"}
+_LAZY = {
+    "ConstructionMode": "hook",
+    "DCRConfig": "hook",
+    "DCRHook": "hook",
+    "enable_dcr": "hook",
+    "ParallelGroups": "groups",
+    "RankGroup": "groups",
+    "TaskKind": "tasks",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -32,4 +42,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'megatron_dcr_hooks' has no attribute {name!r}")
 
 
-__all__ = ["DCRConfig", "DCRHook", "enable_dcr"]
+__all__ = sorted(_LAZY)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from megatron_dcr_hooks import bridge_loader
+from megatron_dcr_hooks.groups import ParallelGroups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,15 +51,12 @@ def unwrap(model: Any) -> torch.nn.Module:
     return model
 
 
-def global_param_name(local_name: str, config: Any) -> str:
-    """The job-global name of a local parameter (EP-global expert index for local experts)."""
-    from megatron.core import parallel_state
-
+def global_param_name(local_name: str, config: Any, ep_rank: int, ep_size: int) -> str:
+    """The job-global name of a local parameter (EP-global expert index for local experts,
+    ``ep_rank * E/EP + i``). Pure: the expert-parallel position is passed in."""
     m = re.search(r"\.local_experts\.(\d+)\.", local_name)
     if m is None or not config.num_moe_experts:
         return local_name
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
     per_rank = config.num_moe_experts // ep_size
     global_idx = ep_rank * per_rank + int(m.group(1))
     return local_name[: m.start(1)] + str(global_idx) + local_name[m.end(1) :]
@@ -69,12 +67,17 @@ def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
     return root.get_submodule(module_name) if module_name else root
 
 
-def conversion_tasks(model: Any, model_type: str) -> list[ParamTask]:
+def conversion_tasks(
+    model: Any, model_type: str, groups: ParallelGroups | None = None
+) -> list[ParamTask]:
     """Resolve every parameter of `model` on this rank against the bridge registry.
 
+    `groups`: the job's process groups (the expert-parallel position names local experts by
+    their EP-global index); default `ParallelGroups.from_megatron()`.
     Raises ValueError naming any parameter the registry cannot map (never skips silently);
     the tied output layer (``share_embeddings_and_output_weights``) is not a separate task.
     """
+    groups = groups or ParallelGroups.from_megatron()
     root = unwrap(model)
     config = root.config
     registry = bridge_loader.mapping_registry_for(model_type)
@@ -86,7 +89,7 @@ def conversion_tasks(model: Any, model_type: str) -> list[ParamTask]:
             root, "share_embeddings_and_output_weights", False
         ):
             continue
-        gname = global_param_name(local_name, config)
+        gname = global_param_name(local_name, config, groups.ep.rank, groups.ep.size)
         mapping = registry.megatron_to_hf_lookup(gname)
         if mapping is None:
             raise ValueError(

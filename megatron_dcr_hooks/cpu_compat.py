@@ -172,13 +172,13 @@ def check_version() -> str:
 def enable() -> None:
     """Apply the CPU layer to this (trainer) process. Idempotent.
 
-    Call before building models or optimizers. Raises RuntimeError inside a vLLM process and
-    CompatibilityError on an unchecked megatron-core version.
+    Call before building models or optimizers. Raises CompatibilityError inside a vLLM process
+    and on an unchecked megatron-core version.
     """
     if _state["enabled"]:
         return
     if "vllm" in sys.modules:
-        raise RuntimeError(
+        raise CompatibilityError(
             "megatron_dcr_hooks.cpu_compat must not be enabled in a process that imported vllm"
         )
     if torch.cuda.is_available():

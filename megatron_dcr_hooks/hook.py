@@ -13,11 +13,16 @@ One transition (every rank calls, in the same order; collectives inside):
 ``build(version, attempt + 1, retry=True)`` re-emits the complete changed set from the same
 candidate weights as overwrites.
 
-Modes (paper Table 3): X = projection + mixed XOR/overwrite (default), P = projection +
-overwrites, F = full conversion of every tensor through the bridge + overwrites.
+Modes (paper Table 3, `ConstructionMode`): X = projection + mixed XOR/overwrite (default),
+P = projection + overwrites, F = full conversion of every tensor through the bridge + overwrites.
+
+Process groups: the hook takes a `ParallelGroups` (``groups=``; default
+`ParallelGroups.from_megatron()`, read once in the constructor). Ownership, the residual owner,
+the payload owner id and every reduction use it; nothing below the constructor asks
+megatron-core's ``parallel_state`` or the default process group.
 
 Limitations:
-1. PP=1, one model chunk (conversion.py).
+1. PP=1, one model chunk (conversion.py); a pipeline group of size > 1 is refused.
 2. Trackers are CPU copies; change detection runs on the parameters' device.
 """
 
@@ -28,17 +33,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.ownership import owns, residual_owner
-from megatron_dcr_hooks.tasks import Task, affine_share, build_tasks
+from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
 from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig, BucketEncoder
 from shared_codec.dtypes import dtype_of, tensor_bits
+from shared_codec.errors import OwnerBuildError, ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import changed_indices, warm_up
 from shared_codec.records import DeltaItem, Kind, make_item
@@ -47,26 +56,37 @@ Sink = Callable[[bytes], None]
 log = logging.getLogger("dcr.owner")
 
 
-@dataclass
+class ConstructionMode(StrEnum):
+    """How a build constructs its delta (paper Table 3). String-valued, so ``mode="X"`` in a
+    training config keeps working and the value prints as its letter."""
+
+    X = "X"  # projection + mixed XOR/overwrite records
+    P = "P"  # projection + overwrites only
+    F = "F"  # full conversion of every tensor through the bridge + overwrites
+
+
+@dataclass(frozen=True, kw_only=True)
 class DCRConfig:
-    """What a Megatron training config carries to enable DCR.
+    """What a Megatron training config carries to enable DCR (frozen, keyword-only).
 
     `model_type`: HF model type of the bridge registry ("qwen3", "qwen3_moe").
-    `mode`: "X" (default), "P" or "F". `bucket_bytes`: raw record bytes per payload.
+    `mode`: `ConstructionMode` or its letter "X" (default), "P" or "F" (converted here; any
+    other value raises ValueError). `bucket_bytes`: raw record bytes per payload.
     `key`: shared secret for keyed payload digests. `paper_codec`: the paper's plain streams.
     `overwrite_only`: canonical tensors receivers cannot take XOR for (union of the receivers'
-    prewarm reports). `force_residual`: mapping class names treated as residual.
+    prewarm reports; any iterable of names, stored as a frozenset). `force_residual`: mapping
+    class names treated as residual.
     `queue_depth`: payloads buffered between construction and the sink (back-pressure).
     `wrap_step`: wrap ``optimizer.step``. `sink`: callable receiving each payload (bytes); the
     default keeps payloads in ``hook.payloads``.
     """
 
     model_type: str = "qwen3"
-    mode: str = "X"
+    mode: ConstructionMode | str = ConstructionMode.X  # a ConstructionMode after __post_init__
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     key: bytes | None = None
     paper_codec: bool = False
-    overwrite_only: set[str] = field(default_factory=set)
+    overwrite_only: AbstractSet[str] = frozenset()  # a frozenset after __post_init__
     force_residual: tuple[str, ...] = ()
     queue_depth: int = 8
     wrap_step: bool = True
@@ -74,8 +94,18 @@ class DCRConfig:
     sink: Sink | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("X", "P", "F"):
-            raise ValueError(f"DCRConfig.mode must be X, P or F, not {self.mode!r}")
+        try:
+            mode = ConstructionMode(self.mode)
+        except ValueError:
+            valid = ", ".join(m.value for m in ConstructionMode)
+            raise ValueError(f"DCRConfig.mode must be one of {valid}, not {self.mode!r}") from None
+        if isinstance(self.overwrite_only, str):
+            raise ValueError("DCRConfig.overwrite_only is a collection of tensor names, not a str")
+        if isinstance(self.force_residual, str):
+            raise ValueError("DCRConfig.force_residual is a tuple of class names, not a str")
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "overwrite_only", frozenset(self.overwrite_only))
+        object.__setattr__(self, "force_residual", tuple(self.force_residual))
 
 
 @dataclass
@@ -120,35 +150,51 @@ class _SinkThread:
 
     def put(self, payload: bytes) -> None:
         if self.error is not None:
-            raise RuntimeError(f"DCR sink failed: {self.error}") from self.error
+            raise OwnerBuildError(f"DCR sink failed: {self.error}") from self.error
         self.q.put(payload)
 
     def close(self) -> None:
         self.q.put(None)
         self.t.join()
         if self.error is not None:
-            raise RuntimeError(f"DCR sink failed: {self.error}") from self.error
+            raise OwnerBuildError(f"DCR sink failed: {self.error}") from self.error
 
 
 class DCRHook:
-    """Owner-side state of one trainer rank (see the module docstring)."""
+    """Owner-side state of one trainer rank (see the module docstring).
 
-    def __init__(self, model_chunks: list[Any], config: DCRConfig) -> None:
+    `groups`: the job's process groups (`ParallelGroups`); default
+    `ParallelGroups.from_megatron()`. Construction is collective over them (every rank of
+    ``groups.world`` constructs its hook with the same model structure and config).
+    """
+
+    def __init__(
+        self,
+        model_chunks: list[Any],
+        config: DCRConfig,
+        *,
+        groups: ParallelGroups | None = None,
+    ) -> None:
         if len(model_chunks) != 1:
             raise ValueError("DCR supports one model chunk (no virtual pipeline stages) for now")
+        self.groups = groups if groups is not None else ParallelGroups.from_megatron()
+        if self.groups.pp.size != 1:
+            raise ValueError(
+                f"DCR supports pipeline parallel size 1 for now, got {self.groups.pp.size}"
+            )
         self.model = model_chunks[0]
         self.config = config
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.rank = self.groups.world.rank
+        self.world = self.groups.world.size
         self.payloads: list[bytes] = []
         self.tasks: list[Task] = build_tasks(
-            self.model, config.model_type, force_residual=config.force_residual
+            self.model, config.model_type, self.groups, force_residual=config.force_residual
         )
-        self.owned = [t for t in self.tasks if owns(t)]
+        self.owned = [t for t in self.tasks if owns(t, self.groups)]
         self.owned_idx = {t.index for t in self.owned}
-        full = config.mode == "F"
-        self.tracked = [t for t in self.owned if t.kind == "affine" and not full]
-        self.residual_tasks = [t for t in self.tasks if t.kind == "residual" or full]
+        full = config.mode is ConstructionMode.F
+        self.tracked = [t for t in self.owned if t.kind is TaskKind.AFFINE and not full]
+        self.residual_tasks = [t for t in self.tasks if t.kind is TaskKind.RESIDUAL or full]
         # trackers: committed stored bits of owned shards (affine tasks are projected from
         # them; owned residual tasks only use them for the changed flag)
         self.trackers: dict[int, torch.Tensor] = {
@@ -188,8 +234,8 @@ class DCRHook:
         return {
             "rank": self.rank,
             "tasks": len(self.tasks),
-            "affine_tasks": sum(t.kind == "affine" for t in self.tasks),
-            "residual_tasks": sum(t.kind == "residual" for t in self.tasks),
+            "affine_tasks": sum(t.kind is TaskKind.AFFINE for t in self.tasks),
+            "residual_tasks": sum(t.kind is TaskKind.RESIDUAL for t in self.tasks),
             "owned_tasks": len(self.owned),
             **affine_share(self.tasks),
             **self.baseline_bytes(),
@@ -206,7 +252,7 @@ class DCRHook:
         queue while construction continues. Collective: every rank calls.
         """
         if version <= self.committed_version:
-            raise ValueError(f"version {version} <= committed {self.committed_version}")
+            raise ProtocolError(f"version {version} <= committed {self.committed_version}")
         t0 = time.perf_counter()
         rep = BuildReport(version=version, attempt=attempt, retry=retry)
         out = sink or self.config.sink or self.payloads.append
@@ -227,7 +273,7 @@ class DCRHook:
                 threads=self.config.encode_threads,
             ),
         )
-        xor_ok = self.config.mode == "X" and not retry
+        xor_ok = self.config.mode is ConstructionMode.X and not retry
         try:
             for t in self.tracked:
                 cur = t.param.detach()
@@ -249,7 +295,7 @@ class DCRHook:
             writer.close()
         rep.payloads, rep.payload_bytes = enc.payload_count, enc.stored_bytes
         counts = torch.tensor([rep.changed_elements, rep.owned_elements], dtype=torch.float64)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.groups.world.group)
         rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
         rep.seconds = time.perf_counter() - t0
         self._candidate = version
@@ -306,7 +352,7 @@ class DCRHook:
         compare with the residual baseline owned by a canonical-name hash, emit overwrites."""
         if not self.residual_tasks:
             return
-        full = self.config.mode == "F"
+        full = self.config.mode is ConstructionMode.F
         flags = torch.zeros(len(self.residual_tasks), dtype=torch.int32)
         for i, t in enumerate(self.residual_tasks):
             if t.index in self.owned_idx:
@@ -315,7 +361,7 @@ class DCRHook:
                     flags[i] = 1
         if full:
             flags.fill_(1)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups.world.group)
         selected = [t for i, t in enumerate(self.residual_tasks) if flags[i]]
         converted = self._convert(selected)
         rep.residual_tasks_converted = len(selected)
@@ -346,7 +392,7 @@ class DCRHook:
     def commit(self) -> None:
         """The candidate version was committed: advance trackers and residual baseline in place."""
         if self._candidate is None:
-            raise ValueError("commit without a built candidate")
+            raise ProtocolError("commit without a built candidate")
         with torch.no_grad():
             for idx, base in self.trackers.items():
                 base.copy_(self.tasks[idx].param.detach().to("cpu"))
@@ -365,10 +411,18 @@ class DCRHook:
         return self.build(self.committed_version + 1, 0)
 
 
-def enable_dcr(model_chunks: list[Any], optimizer: Any, config: DCRConfig) -> DCRHook:
+def enable_dcr(
+    model_chunks: list[Any],
+    optimizer: Any,
+    config: DCRConfig,
+    *,
+    groups: ParallelGroups | None = None,
+) -> DCRHook:
     """Create the owner-side hook for this trainer rank; with ``config.wrap_step`` the
-    optimizer's ``step`` runs ``hook.after_step()`` after every successful step."""
-    hook = DCRHook(model_chunks, config)
+    optimizer's ``step`` runs ``hook.after_step()`` after every successful step.
+
+    `groups`: the job's process groups (default `ParallelGroups.from_megatron()`)."""
+    hook = DCRHook(model_chunks, config, groups=groups)
     if config.wrap_step:
         original = optimizer.step
 

@@ -5,12 +5,16 @@ ranks for tensor-parallel shards, the data-parallel x tensor-parallel ranks for 
 tensors (norms, routers), the expert-data-parallel ranks for expert shards. The owner is the
 member at position ``stable_hash(task name) % group size``; the choice depends only on names
 and layout, so it is fixed across attempts and identical on every rank.
+
+Pure functions of a task and the `ParallelGroups` the hook was given: no process-group getters,
+no collectives.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.tasks import Task, stable_hash
 
 
@@ -22,25 +26,22 @@ class Holders:
     size: int
 
 
-def holders_of(task: Task) -> Holders:
+def holders_of(task: Task, groups: ParallelGroups) -> Holders:
     """The holder group of `task`'s shard on this rank."""
-    from megatron.core import parallel_state as ps
-
     if task.expert:
-        return Holders(ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size())
-    dp, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        return Holders(groups.expert_dp.rank, groups.expert_dp.size)
+    dp = groups.dp
     if task.replicated:
-        tp, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        return Holders(tp * dp_size + dp, tp_size * dp_size)
-    return Holders(dp, dp_size)
+        return Holders(groups.tp.rank * dp.size + dp.rank, groups.tp.size * dp.size)
+    return Holders(dp.rank, dp.size)
 
 
-def owns(task: Task) -> bool:
+def owns(task: Task, groups: ParallelGroups) -> bool:
     """Whether this rank owns `task`'s shard (one owner among its holders)."""
-    h = holders_of(task)
+    h = holders_of(task, groups)
     return stable_hash(task.name) % h.size == h.index
 
 
 def residual_owner(canonical_name: str, world_size: int) -> int:
-    """Global rank holding the residual baseline of a canonical tensor."""
+    """Job rank (in ``groups.world``) holding the residual baseline of a canonical tensor."""
     return stable_hash("residual:" + canonical_name) % world_size

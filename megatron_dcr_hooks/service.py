@@ -1,8 +1,9 @@
 """Owner control service: a coordinator in another process drives the DCR hooks of a running
 Megatron job (the `shared_codec.coordination.coordinator.Owners` of that job, client: `shared_codec.coordination.owners`).
 
-Rank 0 binds a ZeroMQ REP socket; each request (a JSON object with ``"op"``) is broadcast to
-every rank as JSON bytes in a uint8 tensor over the job's default process group (no pickle),
+Rank 0 (of the hook's ``groups.world``) binds a ZeroMQ REP socket; each request (a JSON object
+with ``"op"``) is broadcast to every rank as JSON bytes in a uint8 tensor over that group (the
+hook's `ParallelGroups`; never the default group implicitly; no pickle),
 every rank runs it collectively, and rank 0 replies ``{"ok": true, ...}`` or
 ``{"ok": false, "error": ...}``. An error on any rank fails the whole request.
 
@@ -34,37 +35,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dcr_hooks.groups import RankGroup
 from megatron_dcr_hooks.hook import DCRHook
+from shared_codec.errors import OwnerBuildError, ProtocolError
 from shared_codec.transport.seam import SINK_KINDS, Seal, open_sink, parse_spec
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def _broadcast_json(obj: Any) -> Any:
-    """Rank 0's JSON-able `obj` on every rank (length, then bytes, over the default group)."""
-    if dist.get_rank() == 0:
+def _broadcast_json(obj: Any, world: RankGroup) -> Any:
+    """Rank 0's JSON-able `obj` on every rank of `world` (length, then bytes)."""
+    g = world.group
+    if world.rank == 0:
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         n = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         n = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(n, 0)
-    if dist.get_rank() != 0:
+    dist.broadcast(n, group=g, group_src=0)
+    if world.rank != 0:
         data = torch.empty(int(n[0]), dtype=torch.uint8)
-    dist.broadcast(data, 0)
+    dist.broadcast(data, group=g, group_src=0)
     return json.loads(bytes(data.numpy()).decode())
 
 
-def _gather_json(obj: Any) -> list[Any]:
-    """Every rank's JSON-able `obj`, in rank order, on every rank (no pickle)."""
+def _gather_json(obj: Any, world: RankGroup) -> list[Any]:
+    """Every rank's JSON-able `obj`, in rank order, on every rank of `world` (no pickle)."""
+    g = world.group
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     n = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world.size)]
+    dist.all_gather(sizes, n, group=g)
     width = int(max(int(x[0]) for x in sizes))
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: data.numel()] = data
     out = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=g)
     return [json.loads(bytes(t[: int(k[0])].numpy()).decode()) for t, k in zip(out, sizes)]
 
 
@@ -85,8 +90,9 @@ class OwnerService:
         self.transport = parse_spec(transport, SINK_KINDS)
         self.endpoint = endpoint
         self.handlers = dict(handlers or {})
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.groups = hook.groups
+        self.rank = hook.groups.world.rank
+        self.world = hook.groups.world.size
 
     # -- ops (every rank) ----------------------------------------------------------------------
     def _build(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +116,8 @@ class OwnerService:
                     "bytes": report.bytes if report else 0,
                     "error": error,
                     "seconds": rep.seconds if rep else 0.0,
-                }
+                },
+                self.groups.world,
             )
             errors = [f"rank {i}: {r['error']}" for i, r in enumerate(per_rank) if r["error"]]
             seal_error = ""
@@ -125,9 +132,9 @@ class OwnerService:
                     )
                 except Exception as e:
                     seal_error = f"{type(e).__name__}: {e}"
-            seal_error = _broadcast_json(seal_error)
+            seal_error = _broadcast_json(seal_error, self.groups.world)
         if errors or seal_error:
-            raise RuntimeError("; ".join(errors) or seal_error)
+            raise OwnerBuildError("; ".join(errors) or seal_error)
         assert rep is not None
         return {
             "baseline_id": f"owners-v{base}",
@@ -144,7 +151,7 @@ class OwnerService:
         version = int(req["version"])
         if self.hook.committed_version != version:
             if self.hook._candidate != version:
-                raise ValueError(
+                raise ProtocolError(
                     f"cannot commit version {version}: owners are at committed "
                     f"{self.hook.committed_version}, candidate {self.hook._candidate}"
                 )
@@ -182,7 +189,7 @@ class OwnerService:
             out = {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}"}
             traceback.print_exc()
         flag = torch.tensor([0 if out["ok"] else 1], dtype=torch.int64)
-        dist.all_reduce(flag)  # an error on any rank fails the request
+        dist.all_reduce(flag, group=self.groups.world.group)  # an error on any rank fails it
         if out["ok"] and int(flag[0]):
             out = {"ok": False, "error": f"{op} failed on {int(flag[0])} other rank(s)"}
         out["seconds"] = time.perf_counter() - t0
@@ -208,7 +215,7 @@ class OwnerService:
                     except ValueError as e:
                         sock.send(json.dumps({"ok": False, "error": f"bad request: {e}"}).encode())
                         req = {"op": "_skip"}
-                req = _broadcast_json(req)
+                req = _broadcast_json(req, self.groups.world)
                 if req.get("op") == "_skip":
                     continue
                 if req.get("op") == "stop":

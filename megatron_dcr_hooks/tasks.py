@@ -22,16 +22,26 @@ Limitations:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_dcr_hooks.conversion import ParamTask, conversion_tasks
+from megatron_dcr_hooks.groups import ParallelGroups
+from shared_codec.errors import OwnerBuildError
 
 ID_SHIFT = 40
+
+
+class TaskKind(StrEnum):
+    """How a conversion task's changes reach canonical coordinates."""
+
+    AFFINE = "affine"  # projected through the measured affine map (no conversion)
+    RESIDUAL = "residual"  # converted with the bridge and compared with the residual baseline
 
 
 @dataclass
@@ -50,7 +60,7 @@ class AffineMap:
         if local.size and (
             (run < 0).any() or (local - self.local_start[run] >= self.length[run]).any()
         ):
-            raise AssertionError("local index outside the affine map")
+            raise OwnerBuildError("a changed local index lies outside the task's affine map")
         return self.name_idx[run], self.hf_start[run] + (local - self.local_start[run])
 
     @property
@@ -64,7 +74,7 @@ class Task:
 
     index: int
     param_task: ParamTask
-    kind: str  # "affine" or "residual"
+    kind: TaskKind
     amap: AffineMap | None = None
     hf_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hf_dtype: torch.dtype | None = None
@@ -107,14 +117,37 @@ def _probe(pt: ParamTask, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return pt.mapping.megatron_to_hf(ids, pt.module)
 
 
-def build_tasks(model: Any, model_type: str, *, force_residual: tuple[str, ...] = ()) -> list[Task]:
+def build_tasks(
+    model: Any,
+    model_type: str,
+    groups: ParallelGroups,
+    *,
+    force_residual: tuple[str, ...] = (),
+) -> list[Task]:
     """Classify every parameter of this rank and derive affine maps (collective: every rank
-    calls with the same model structure). `force_residual`: mapping class names to treat as
-    residual even when affine (e.g. ``("QKVMapping",)`` reproduces the paper's 96% setting)."""
-    rank = dist.get_rank()
+    calls with the same model structure; the bridge's gathers run inside). `force_residual`:
+    mapping class names to treat as residual even when affine (e.g. ``("QKVMapping",)``
+    reproduces the paper's 96% setting)."""
+    return classify_tasks(
+        conversion_tasks(model, model_type, groups), groups, force_residual=force_residual
+    )
+
+
+def classify_tasks(
+    param_tasks: Sequence[ParamTask],
+    groups: ParallelGroups,
+    *,
+    force_residual: tuple[str, ...] = (),
+) -> list[Task]:
+    """Probe each task's ``megatron_to_hf`` with unique ids and classify it (module docstring).
+
+    Pure apart from the mappings themselves: ids are tagged with ``groups.world.rank``, and an
+    id from outside ``1..groups.world.size`` makes a task residual. Collective exactly when the
+    mappings are (the bridge's TP/EP gathers)."""
+    rank = groups.world.rank
     tag = (rank + 1) << ID_SHIFT
     tasks: list[Task] = []
-    for i, pt in enumerate(conversion_tasks(model, model_type)):
+    for i, pt in enumerate(param_tasks):
         p = pt.param
         n = p.numel()
         ids = (torch.arange(n, dtype=torch.int64) + tag).reshape(p.shape)
@@ -136,7 +169,7 @@ def build_tasks(model: Any, model_type: str, *, force_residual: tuple[str, ...] 
             for j, k in enumerate(names):
                 flat = out[k].reshape(-1)
                 rank_of = flat >> ID_SHIFT
-                if bool(((rank_of < 1) | (rank_of > dist.get_world_size())).any()):
+                if bool(((rank_of < 1) | (rank_of > groups.world.size)).any()):
                     affine = False  # not a pure placement of source ids
                     break
                 mine = torch.nonzero(rank_of == rank + 1).reshape(-1)
@@ -160,7 +193,7 @@ def build_tasks(model: Any, model_type: str, *, force_residual: tuple[str, ...] 
             Task(
                 index=i,
                 param_task=pt,
-                kind="affine" if affine else "residual",
+                kind=TaskKind.AFFINE if affine else TaskKind.RESIDUAL,
                 amap=amap,
                 hf_shapes=hf_shapes,
                 hf_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
@@ -182,7 +215,7 @@ def affine_share(tasks: list[Task]) -> dict[str, float]:
             seen.add(name)
             nbytes = float(np.prod(shape)) * t.param.element_size()
             total[1] += nbytes
-            if t.kind == "affine":
+            if t.kind is TaskKind.AFFINE:
                 total[0] += nbytes
     # every rank sees every canonical tensor (exports are all-gathers), so no reduction needed
     return {

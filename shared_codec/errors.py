@@ -52,7 +52,8 @@ class InjectedFailure(LoaderConditionError):
 
 
 class CompatibilityError(DCRError):
-    """An installed dependency has a version this project's compatibility layer was not checked on.
+    """An installed dependency has a version this project's compatibility layer was not checked on,
+    or the process cannot take the layer (the Megatron CPU layer in a process that imported vLLM).
 
     State left behind: nothing was patched.
     """
@@ -83,3 +84,14 @@ class RefitFailed(DCRError):
     """Every attempt of a transition failed. State left behind: the committed version is
     unchanged in the commit record and on the owners; engines may be dirty (a later
     overwrite retry or a dense load of the committed version repairs them)."""
+
+
+class OwnerBuildError(DCRError):
+    """The owner side could not construct or hand off an attempt's payloads: the payload sink
+    (transport) raised, a trainer rank failed its part of the build, the relay tree did not
+    acknowledge the attempt, or a changed element fell outside its affine map.
+
+    State left behind: the attempt is incomplete (some payloads may have been delivered) and
+    must be fenced; the owners' committed baseline is unchanged (only a commit advances it), so
+    an overwrite retry rebuilds the complete changed set.
+    """

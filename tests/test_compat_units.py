@@ -66,7 +66,8 @@ def test_torch_moe_matches_a_dense_reference() -> None:
 def test_megatron_layer_refuses_vllm_process() -> None:
     code = (
         "import vllm, megatron_dcr_hooks.cpu_compat as c\n"
-        "try:\n    c.enable()\nexcept RuntimeError as e:\n    print('refused:', e)\n"
+        "from shared_codec.errors import CompatibilityError\n"
+        "try:\n    c.enable()\nexcept CompatibilityError as e:\n    print('refused:', e)\n"
     )
     r = subprocess.run(
         [PYTHON, "-c", code], cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=180

@@ -1,0 +1,111 @@
+"""The process groups the owner hook uses, passed in explicitly.
+
+`ParallelGroups` is a frozen bundle of the trainer job's process groups and this rank's
+position in each: the job-wide group (every reduction of the hook and the owner service, the
+payload owner id, the residual-baseline owner), the tensor-, data-, expert- and
+expert-data-parallel groups (ownership: who holds bitwise-identical copies of a shard; the
+EP-global expert index) and the pipeline group (checked: PP=1). `enable_dcr` / `DCRHook` take
+one (``groups=``); the default, `ParallelGroups.from_megatron()`, reads megatron-core's
+``parallel_state`` once, in the hook's constructor. Nothing below the constructor calls the
+``parallel_state`` getters or uses the default process group implicitly, so a job that runs
+DCR on groups of its own (a sub-world, a separate gloo group for CPU reductions) passes them in.
+
+Limitations:
+1. megatron-bridge's mapping classes run their own TP/EP gathers on megatron-core's
+   ``parallel_state`` groups (inside ``megatron_to_hf``); the TP and EP groups given here must
+   be the same groups (`from_megatron` guarantees it).
+2. Data-parallel ranks are taken without context parallelism (as megatron-core's
+   ``get_data_parallel_rank()`` default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankGroup:
+    """One process group and this rank's position in it.
+
+    `group`: the ``torch.distributed`` process group handle (``None`` only in in-process unit
+    tests that never reduce over it); `rank`: this rank's index in the group; `size`: its size.
+    """
+
+    group: Any
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"RankGroup rank {self.rank} outside a group of size {self.size}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelGroups:
+    """The trainer job's process groups as the owner hook needs them (module docstring).
+
+    `world`: every rank of the job (reductions, owner ids = ``world.rank``); `tp`: tensor
+    parallel; `dp`: data parallel (without context parallelism); `ep`: expert model parallel;
+    `expert_dp`: expert data parallel (holders of identical expert shards); `pp`: pipeline.
+    """
+
+    world: RankGroup
+    tp: RankGroup
+    dp: RankGroup
+    ep: RankGroup
+    expert_dp: RankGroup
+    pp: RankGroup
+
+    @staticmethod
+    def from_megatron() -> ParallelGroups:
+        """The groups megatron-core's ``parallel_state`` initialized (every rank calls after
+        ``initialize_model_parallel``; no collectives)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+            raise ValueError(
+                "ParallelGroups.from_megatron() needs torch.distributed and megatron-core's "
+                "parallel_state initialized (initialize_model_parallel); or pass groups="
+            )
+        return ParallelGroups(
+            world=RankGroup(
+                group=dist.group.WORLD, rank=dist.get_rank(), size=dist.get_world_size()
+            ),
+            tp=RankGroup(
+                group=ps.get_tensor_model_parallel_group(),
+                rank=ps.get_tensor_model_parallel_rank(),
+                size=ps.get_tensor_model_parallel_world_size(),
+            ),
+            dp=RankGroup(
+                group=ps.get_data_parallel_group(),
+                rank=ps.get_data_parallel_rank(),
+                size=ps.get_data_parallel_world_size(),
+            ),
+            ep=RankGroup(
+                group=ps.get_expert_model_parallel_group(),
+                rank=ps.get_expert_model_parallel_rank(),
+                size=ps.get_expert_model_parallel_world_size(),
+            ),
+            expert_dp=RankGroup(
+                group=ps.get_expert_data_parallel_group(),
+                rank=ps.get_expert_data_parallel_rank(),
+                size=ps.get_expert_data_parallel_world_size(),
+            ),
+            pp=RankGroup(
+                group=ps.get_pipeline_model_parallel_group(),
+                rank=ps.get_pipeline_model_parallel_rank(),
+                size=ps.get_pipeline_model_parallel_world_size(),
+            ),
+        )
+
+    @staticmethod
+    def single() -> ParallelGroups:
+        """One rank, no parallelism, no process groups: for in-process unit tests of the pure
+        parts (ownership, affine maps) that never reduce."""
+        one = RankGroup(group=None, rank=0, size=1)
+        return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+
+
+__all__ = ["ParallelGroups", "RankGroup"]

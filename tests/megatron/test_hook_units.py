@@ -1,0 +1,273 @@
+"""The owner hook and its config in-process: explicit process groups, enums, frozen config.
+
+A one-rank gloo process group is created directly (``ProcessGroupGloo``), never registered as
+torch's default group, and handed to `DCRHook` through `ParallelGroups`; megatron-core's
+``parallel_state`` is never initialized and `ParallelGroups.from_megatron` is made to fail. So a
+hook that reached for a global process group or a parallel_state getter below its constructor
+would fail here. The model is a FAKE: a module with three bf16 parameters whose FAKE bridge
+mappings are one affine column layout, one replicated norm and one residual padded embedding
+(tests/megatron/test_affine_units.py tests the probe itself). The oracle is bitwise: records
+applied to the fake canonical export of v0 give the export of v1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_dcr_hooks.hook as hook_mod
+from megatron_dcr_hooks.conversion import ParamTask
+from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
+from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
+from megatron_dcr_hooks.tasks import TaskKind, classify_tasks
+from shared_codec.checkpoint import bits_equal
+from shared_codec.errors import OwnerBuildError, ProtocolError
+from shared_codec.format import decode_payload
+from shared_codec.records import Kind, apply_items
+
+# -- DCRConfig -----------------------------------------------------------------------------------
+
+
+def test_config_mode_takes_the_enum_or_its_letter() -> None:
+    for letter in "XPF":
+        c = DCRConfig(mode=letter)
+        assert c.mode is ConstructionMode(letter) and c.mode == letter
+    assert DCRConfig().mode is ConstructionMode.X
+    assert DCRConfig(mode=ConstructionMode.F).mode is ConstructionMode.F
+    with pytest.raises(ValueError, match=r"one of X, P, F, not 'Q'"):
+        DCRConfig(mode="Q")
+    with pytest.raises(ValueError):
+        DCRConfig(mode="x")
+
+
+def test_config_is_frozen_and_keyword_only() -> None:
+    c = DCRConfig(model_type="qwen3", overwrite_only={"a.weight"}, force_residual=["QKVMapping"])
+    assert c.overwrite_only == frozenset({"a.weight"}) and isinstance(c.overwrite_only, frozenset)
+    assert c.force_residual == ("QKVMapping",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.mode = ConstructionMode.P  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        DCRConfig("qwen3")  # type: ignore[misc]
+    with pytest.raises(ValueError, match="not a str"):
+        DCRConfig(overwrite_only="a.weight")
+    assert dataclasses.replace(c, mode="P").mode is ConstructionMode.P
+
+
+def test_task_kind_is_a_str_enum() -> None:
+    assert TaskKind("affine") is TaskKind.AFFINE and TaskKind.RESIDUAL == "residual"
+
+
+# -- the hook on explicit groups -----------------------------------------------------------------
+
+
+class FakeColumn:
+    """FAKE one-rank ColumnParallelMapping: the canonical tensor is the shard."""
+
+    def megatron_to_hf(self, x: torch.Tensor, module: Any) -> dict[str, torch.Tensor]:
+        return {"col.weight": x.clone()}
+
+
+class FakeNorm:
+    """FAKE ReplicatedMapping."""
+
+    def megatron_to_hf(self, x: torch.Tensor, module: Any) -> dict[str, torch.Tensor]:
+        return {"norm.weight": x.clone()}
+
+
+class FakePadded:
+    """FAKE padded embedding (one padding row no source id fills): residual."""
+
+    def megatron_to_hf(self, x: torch.Tensor, module: Any) -> dict[str, torch.Tensor]:
+        return {"emb.weight": torch.cat([x, torch.zeros_like(x[:1])], 0)}
+
+
+class FakeModel(torch.nn.Module):
+    """FAKE model: three bf16 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.col = torch.nn.Parameter(torch.randn(8, 16, generator=g).to(torch.bfloat16))
+        self.col.tensor_model_parallel = True  # type: ignore[attr-defined]
+        self.norm = torch.nn.Parameter(torch.randn(16, generator=g).to(torch.bfloat16))
+        self.emb = torch.nn.Parameter(torch.randn(6, 16, generator=g).to(torch.bfloat16))
+        self.emb.tensor_model_parallel = True  # type: ignore[attr-defined]
+        self.maps = {"col": FakeColumn(), "norm": FakeNorm(), "emb": FakePadded()}
+
+    def param_tasks(self) -> list[ParamTask]:
+        return [
+            ParamTask(local_name=n, global_name=n, param=p, module=self, mapping=self.maps[n])
+            for n, p in self.named_parameters()
+        ]
+
+    def export(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for pt in self.param_tasks():
+                out.update(pt.mapping.megatron_to_hf(pt.param.detach(), self))
+        return out
+
+    def perturb(self, seed: int, fraction: float = 0.2) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                mask = torch.rand(p.shape, generator=g) < fraction
+                p[mask] += 0.5
+
+
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
+    """One-rank groups on a gloo group that is NOT torch's default group; the hook's tasks come
+    from the fake model; reaching for megatron-core's groups fails the test."""
+
+    def no_megatron() -> ParallelGroups:
+        raise AssertionError("ParallelGroups.from_megatron() called below the constructor")
+
+    def fake_build_tasks(model: FakeModel, model_type: str, groups: ParallelGroups, **kw: Any):
+        return classify_tasks(model.param_tasks(), groups, **kw)
+
+    monkeypatch.setattr(ParallelGroups, "from_megatron", staticmethod(no_megatron))
+    monkeypatch.setattr(hook_mod, "build_tasks", fake_build_tasks)
+    assert not dist.is_initialized()
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    one = RankGroup(group=pg, rank=0, size=1)
+    return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+
+
+def _items(payloads: list[bytes]) -> list[Any]:
+    return [it for p in payloads for it in decode_payload(p).items]
+
+
+def _config(**kw: Any) -> DCRConfig:
+    return DCRConfig(**{"wrap_step": False, "bucket_bytes": 1024, "encode_threads": 0, **kw})
+
+
+@pytest.mark.parametrize("mode", ["X", "P", "F"])
+def test_hook_builds_exact_deltas_on_the_given_groups(groups: ParallelGroups, mode: str) -> None:
+    model = FakeModel()
+    hook = DCRHook([model], _config(mode=mode), groups=groups)
+    assert hook.groups is groups and hook.rank == 0 and hook.world == 1
+    kinds = {t.param_task.local_name: t.kind for t in hook.tasks}
+    assert kinds == {"col": TaskKind.AFFINE, "norm": TaskKind.AFFINE, "emb": TaskKind.RESIDUAL}
+    v0 = model.export()
+    model.perturb(1)
+    v1 = model.export()
+    rep = hook.build(1)
+    items = _items(hook.payloads)
+    state = {k: v.clone() for k, v in v0.items()}
+    apply_items(state, items)
+    assert all(bits_equal(state[n], v1[n]) for n in v1)
+    changed = sum(int((v0[n].view(torch.int16) != v1[n].view(torch.int16)).sum()) for n in v0)
+    assert rep.entries == changed > 0
+    xor = sum(i.count for i in items if i.kind == Kind.XOR)
+    assert (xor > 0) == (mode == "X")
+    assert 0 < rep.element_change_rate <= 1  # all-reduced over groups.world
+    hook.payloads.clear()
+    hook.commit()
+    assert hook.committed_version == 1
+    quiet = hook.build(2)  # nothing changed since the commit
+    assert quiet.items == 0 and _items(hook.payloads) == []
+
+
+def test_failed_attempt_then_overwrite_retry_is_exact(groups: ParallelGroups) -> None:
+    model = FakeModel()
+    hook = DCRHook([model], _config(), groups=groups)
+    v0 = model.export()
+    model.perturb(2)
+    v1 = model.export()
+    hook.build(1, 0)
+    a0 = _items(hook.payloads)
+    hook.payloads.clear()
+    hook.abort()
+    assert hook.committed_version == 0
+    hook.build(1, 1, retry=True)
+    retry = _items(hook.payloads)
+    assert retry and all(i.kind == Kind.OVERWRITE for i in retry)
+    state = {k: v.clone() for k, v in v0.items()}
+    apply_items(state, a0[: len(a0) // 2])  # a partial attempt
+    apply_items(state, retry)
+    assert all(bits_equal(state[n], v1[n]) for n in v1)
+
+
+def test_out_of_order_calls_are_protocol_errors(groups: ParallelGroups) -> None:
+    hook = DCRHook([FakeModel()], _config(), groups=groups)
+    with pytest.raises(ProtocolError, match="without a built candidate"):
+        hook.commit()
+    hook.build(1)
+    hook.commit()
+    with pytest.raises(ProtocolError, match="<= committed 1"):
+        hook.build(1)
+
+
+def test_sink_failure_is_an_owner_build_error_and_keeps_the_baseline(
+    groups: ParallelGroups,
+) -> None:
+    def broken(payload: bytes) -> None:
+        raise OSError("store unreachable")
+
+    model = FakeModel()
+    hook = DCRHook([model], _config(sink=broken), groups=groups)
+    before = {i: t.clone() for i, t in hook.trackers.items()}
+    model.perturb(3)
+    with pytest.raises(OwnerBuildError, match="store unreachable"):
+        hook.build(1)
+    assert hook.committed_version == 0
+    assert all(torch.equal(before[i], t) for i, t in hook.trackers.items())
+
+
+def test_pipeline_parallel_groups_are_refused(groups: ParallelGroups) -> None:
+    pp2 = dataclasses.replace(groups, pp=RankGroup(group=None, rank=0, size=2))
+    with pytest.raises(ValueError, match="pipeline parallel size 1"):
+        DCRHook([FakeModel()], _config(), groups=pp2)
+
+
+def test_enable_dcr_passes_the_groups_and_wraps_the_step(groups: ParallelGroups) -> None:
+    model = FakeModel()
+
+    class FakeOptimizer:
+        """FAKE Megatron optimizer: ``step`` returns (update_successful, grad_norm, zeros)."""
+
+        def __init__(self) -> None:
+            self.ok = True
+
+        def step(self) -> tuple[bool, float, int]:
+            model.perturb(4)
+            return self.ok, 1.0, 0
+
+    opt = FakeOptimizer()
+    hook = enable_dcr([model], opt, _config(wrap_step=True), groups=groups)
+    assert hook.groups is groups
+    opt.step()
+    assert hook.last_report is not None and hook.last_report.version == 1
+    opt.ok = False
+    hook.last_report = None
+    opt.step()  # a skipped step builds nothing
+    assert hook.last_report is None
+
+
+def test_owner_service_reduces_over_the_hooks_groups(
+    groups: ParallelGroups, tmp_path: Path
+) -> None:
+    from megatron_dcr_hooks.service import OwnerService, _broadcast_json, _gather_json
+    from shared_codec.transport.store import DirectoryStore
+
+    assert _broadcast_json({"op": "x"}, groups.world) == {"op": "x"}
+    assert _gather_json([1, "a"], groups.world) == [[1, "a"]]
+    model = FakeModel()
+    hook = DCRHook([model], _config(), groups=groups)
+    store = DirectoryStore(tmp_path / "payloads")
+    svc = OwnerService(hook, store, "inproc://unused")
+    model.perturb(5)
+    out = svc.handle({"op": "build", "version": 1, "attempt": 0})
+    assert out["ok"], out
+    assert out["payloads"] > 0 and out["baseline_id"] == "owners-v0"
+    assert any(k.endswith("manifest.json") for k in store.list(""))
+    bad = svc.handle({"op": "commit", "version": 2})
+    assert not bad["ok"] and "ProtocolError" in bad["error"]
+    assert svc.handle({"op": "commit", "version": 1})["committed_version"] == 1
+    assert svc.handle({"op": "status"})["committed_version"] == 1
