@@ -9,6 +9,7 @@ of these scenarios is tests/test_coordinator.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from shared_codec.coordination.coordinator import (
     CoordinatorConfig,
     RefitFailed,
 )
+from shared_codec.transport.objects import attempt_prefix
 from shared_codec.transport.store import DirectoryStore
 
 # -- fakes ---------------------------------------------------------------------------------------
@@ -52,9 +54,13 @@ class Crash(Exception):
 
 class FakeDelivery:
     """FAKE payload channel between `FakeOwners` and pipelined `FakeEngine`s: an attempt is
-    either published (the owners' build finished) or abandoned (the coordinator gave it up)."""
+    either published (the owners' build finished) or abandoned - the latter for real: the
+    coordinator abandons through its transport, a real directory store (`spec`), and `wait`
+    sees the store's ``abandoned.json`` marker."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path) -> None:
+        self.spec = {"kind": "dir", "root": str(root)}
+        self.store = DirectoryStore(root)
         self._cond = threading.Condition()
         self.state: dict[tuple[int, int], str] = {}
         self.abandoned: list[tuple[int, int, str]] = []
@@ -64,17 +70,27 @@ class FakeDelivery:
             self.state[(version, attempt)] = "published"
             self._cond.notify_all()
 
-    def abandon(self, version: int, attempt: int, reason: str) -> None:
-        """The coordinator's ``abandon`` callable."""
-        with self._cond:
-            self.abandoned.append((version, attempt, reason))
-            self.state[(version, attempt)] = "abandoned"
-            self._cond.notify_all()
+    def _abandon_reason(self, version: int, attempt: int) -> str | None:
+        key = f"{attempt_prefix(version, attempt)}abandoned.json"
+        if not self.store.exists(key):
+            return None
+        return str(json.loads(self.store.get(key)).get("reason", ""))
 
     def wait(self, version: int, attempt: int, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._cond.wait_for(lambda: (version, attempt) in self.state, timeout_s)
-            return self.state.get((version, attempt), "timeout")
+            while True:
+                if (version, attempt) in self.state:
+                    return self.state[(version, attempt)]
+                reason = self._abandon_reason(version, attempt)
+                if reason is not None:
+                    self.abandoned.append((version, attempt, reason))
+                    self.state[(version, attempt)] = "abandoned"
+                    return "abandoned"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return "timeout"
+                self._cond.wait(min(left, 0.05))
 
 
 class FakeOwners:
@@ -184,14 +200,14 @@ def make_coordinator(
     **config: Any,
 ) -> Coordinator:
     """A Coordinator over the fakes; pipelined (engines start with the build) iff `delivery`
-    is given, whose ``abandon`` is the coordinator's way to give up an attempt."""
+    is given, whose directory store is the coordinator's transport (where it abandons)."""
     return Coordinator(
         control,
         owners,
         engines,
         CoordinatorConfig(**{"ack_timeout_s": 10.0, **config}),
         log=lambda _msg: None,
-        abandon=delivery.abandon if delivery is not None else None,
+        transport=delivery.spec if delivery is not None else None,
     )
 
 
@@ -201,7 +217,7 @@ class Setup:
     def __init__(self, root: Path, *, pipelined: bool = False, **config: Any) -> None:
         self.control = DirectoryStore(root / "control")
         self.events = Events()
-        self.delivery = FakeDelivery() if pipelined else None
+        self.delivery = FakeDelivery(root / "payloads") if pipelined else None
         self.owners = FakeOwners(self.events, self.delivery)
         self.engines = [
             FakeEngine(n, self.events, self.control, self.delivery) for n in ("e0", "e1")

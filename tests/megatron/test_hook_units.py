@@ -261,7 +261,7 @@ def test_owner_service_reduces_over_the_hooks_groups(
     model = FakeModel()
     hook = DCRHook([model], _config(), groups=groups)
     store = DirectoryStore(tmp_path / "payloads")
-    svc = OwnerService(hook, store, "inproc://unused")
+    svc = OwnerService(hook, {"kind": "dir", "root": str(tmp_path / "payloads")}, "inproc://unused")
     model.perturb(5)
     out = svc.handle({"op": "build", "version": 1, "attempt": 0})
     assert out["ok"], out
