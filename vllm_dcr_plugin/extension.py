@@ -23,20 +23,28 @@ Limitations:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import json
-import os
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from shared_codec.errors import DCRError, ProtocolError
+from shared_codec.errors import DCRError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
-from vllm_dcr_plugin.receiver import Receiver
+from vllm_dcr_plugin import worker as dcr_worker
+from vllm_dcr_plugin.arguments import apply_opts as _apply_opts
+from vllm_dcr_plugin.arguments import arguments as _arguments
+from vllm_dcr_plugin.arguments import boolean as _bool
+from vllm_dcr_plugin.arguments import directory as _directory
+from vllm_dcr_plugin.arguments import integer as _int
+from vllm_dcr_plugin.arguments import payloads as _payloads
+from vllm_dcr_plugin.arguments import seconds as _seconds
+from vllm_dcr_plugin.arguments import store_spec as _store_spec
 from vllm_dcr_plugin.staging import tensor_specs
+
+if TYPE_CHECKING:
+    from vllm_dcr_plugin.receiver import Receiver
 
 # Resolving this class is how vLLM tells a worker process that it serves DCR: enable the CPU
 # loader condition before the worker loads its model.
@@ -44,8 +52,6 @@ cpu_compat.mark_dcr_enabled()
 
 
 F = TypeVar("F", bound=Callable[..., dict[str, Any]])
-
-_ARG_ERRORS = (ValueError, TypeError, KeyError)
 
 
 def _rpc(fn: F) -> F:
@@ -74,85 +80,6 @@ def _rpc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-@contextlib.contextmanager
-def _arguments(method: str) -> Iterator[None]:
-    """Argument parsing of one RPC: a bad-argument error (ValueError, TypeError, KeyError)
-    becomes `ProtocolError` (the call changed nothing). Only argument parsing runs inside."""
-    try:
-        yield
-    except _ARG_ERRORS as e:
-        raise ProtocolError(f"{method}: bad arguments: {type(e).__name__}: {e}") from None
-
-
-def _int(v: Any, what: str) -> int:
-    """A non-negative integer: ints, or decimal strings (vLLM's HTTP ``/collective_rpc``)."""
-    if isinstance(v, bool) or not isinstance(v, int | str):
-        raise TypeError(f"{what} must be an integer, got {type(v).__name__}")
-    n = int(v)
-    if n < 0:
-        raise ValueError(f"{what} must be >= 0, got {n}")
-    return n
-
-
-def _bool(v: Any, what: str) -> bool:
-    if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "0", "false", "no", ""):
-        return v.strip().lower() in ("1", "true", "yes")
-    if isinstance(v, bool | int) and int(v) in (0, 1):
-        return bool(v)
-    raise ValueError(f"{what} must be a boolean, got {v!r:.40}")
-
-
-def _seconds(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float | str):
-        raise TypeError(f"{what} must be a number of seconds, got {type(v).__name__}")
-    t = float(v)
-    if not t > 0:  # also NaN
-        raise ValueError(f"{what} must be > 0, got {v!r}")
-    return t
-
-
-_SPEC_KEYS = {"dir": ("root",), "spool": ("root",), "s3": ("bucket",)}
-
-
-def _store_spec(v: Any) -> dict[str, Any]:
-    """A store spec (dict or its JSON text) of a known kind with its required fields."""
-    spec = json.loads(v) if isinstance(v, str) else v
-    if not isinstance(spec, dict):
-        raise TypeError(f"store spec must be a JSON object, got {type(spec).__name__}")
-    kind = spec.get("kind")
-    if kind not in _SPEC_KEYS:
-        raise ValueError(f"store spec kind must be one of {sorted(_SPEC_KEYS)}, got {kind!r}")
-    for key in _SPEC_KEYS[kind]:
-        if not isinstance(spec.get(key), str) or not spec[key]:
-            raise KeyError(f"a {kind!r} store spec needs a non-empty string {key!r}")
-    return dict(spec)
-
-
-def _apply_opts(v: Any) -> dict[str, Any] | None:
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise TypeError(f"apply must be a dict or None, got {type(v).__name__}")
-    unknown = set(v) - {"verify"}
-    if unknown:
-        raise ValueError(f"apply takes only 'verify', got {sorted(unknown)}")
-    return {"verify": _bool(v.get("verify", False), "apply.verify")}
-
-
-def _payloads(v: Any) -> list[bytes]:
-    if not isinstance(v, list | tuple) or not all(
-        isinstance(p, bytes | bytearray | memoryview) for p in v
-    ):
-        raise TypeError("payloads must be a list of bytes")
-    return list(v)
-
-
-def _directory(v: Any, what: str) -> str:
-    if not isinstance(v, str) or not os.path.isdir(v):
-        raise ValueError(f"{what} must name an existing directory, got {v!r:.200}")
-    return v
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -161,56 +88,10 @@ class DCRWorkerExtension:
     """Mixed into vLLM's worker; see the module docstring for the calling convention."""
 
     def _dcr_model(self) -> torch.nn.Module:
-        runner = getattr(self, "model_runner", None)
-        model = getattr(runner, "model", None)
-        if model is None:
-            raise ProtocolError("the worker has no loaded model (call after engine start)")
-        return model
-
-    def _dcr_ranks(self) -> dict[str, int]:
-        from vllm.distributed import parallel_state as ps
-
-        return {
-            "rank": int(getattr(self, "rank", 0)),
-            "tp_rank": int(ps.get_tensor_model_parallel_rank()),
-            "tp_size": int(ps.get_tensor_model_parallel_world_size()),
-            "pp_rank": int(ps.get_pp_group().rank_in_group),
-            "pp_size": int(ps.get_pp_group().world_size),
-        }
+        return dcr_worker.receiver_of(self).model
 
     def _dcr_receiver(self) -> Receiver:
-        receiver = getattr(self, "_dcr_state", None)
-        if receiver is None:
-            receiver = Receiver(
-                self._dcr_model(),
-                rank=self._dcr_ranks(),
-                gate=self._dcr_gate,
-                loader_condition=self._dcr_loader_condition,
-            )
-            self._dcr_state = receiver
-        return receiver
-
-    def _dcr_gate(self) -> str | None:
-        """None when no request runs on this worker, else why the gate is closed."""
-        runner = getattr(self, "model_runner", None)
-        requests = getattr(runner, "requests", None) or {}
-        if requests:
-            return (
-                f"{len(requests)} request(s) still hold state on this worker; finish or pause "
-                "generation before applying"
-            )
-        return None
-
-    def _dcr_loader_condition(self) -> str | None:
-        """None when the native loader keeps weights resident in loader layout."""
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu() and not cpu_compat.dcr_enabled():
-            return (
-                "CPU linear/MoE weights are prepacked (the DCR loader condition is off: "
-                f"{cpu_compat.ENV_FLAG}=0 or the plugin was not loaded before the model)"
-            )
-        return None
+        return dcr_worker.receiver_of(self)
 
     @_rpc
     def dcr_prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
@@ -325,7 +206,7 @@ class DCRWorkerExtension:
             "plugin_version": PLUGIN_VERSION,
             "format_version": FORMAT_VERSION,
             "vllm_version": vllm.__version__,
-            **self._dcr_ranks(),
+            **dcr_worker.ranks(self),
             "cpu_compat": cpu_compat.status(),
             "plugin_registrations": registration_count(),
             "parameters": params,
