@@ -144,7 +144,8 @@ def run_torchrun(
 
 
 class ServeProcess:
-    """A local ``vllm serve`` with the DCR worker extension, in its own process group."""
+    """A local ``vllm serve`` (with the DCR worker extension unless `extension=False`), in its
+    own process group."""
 
     def __init__(
         self,
@@ -155,11 +156,15 @@ class ServeProcess:
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
         served_name: str = "policy",
+        extension: bool = True,
     ) -> None:
+        """`extension=False`: no ``--worker-extension-cls`` (engines reached only through
+        vLLM's weight-transfer API, e.g. with ``--weight-transfer-config``)."""
         self.model, self.port = str(model), int(port)
         self.log, self.env = Path(log), env
         self.extra_args = extra_args or []
         self.served_name = served_name
+        self.extension = extension
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -178,7 +183,7 @@ class ServeProcess:
             "--max-model-len", "256", "--max-num-seqs", "4",
             "--gpu-memory-utilization", "0.1", "--seed", "0",
             "--served-model-name", self.served_name,
-            "--worker-extension-cls", EXTENSION,
+            *(["--worker-extension-cls", EXTENSION] if self.extension else []),
             *self.extra_args,
         ]  # fmt: skip
         env = dict(self.env if self.env is not None else os.environ)

@@ -1,11 +1,15 @@
 """vllm_dcr_plugin: the receiver side of DCR, as a vLLM general plugin plus a worker extension.
 
 - ``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process
-  (API server, engine core, workers), possibly several times; it is re-entrant and only installs
-  the conditional CPU loader condition (vllm_dcr_plugin.cpu_compat).
-- ``DCRWorkerExtension`` is what ``vllm serve --worker-extension-cls
+  (API server, engine core, workers), possibly several times; it is re-entrant. It installs the
+  conditional CPU loader condition (vllm_dcr_plugin.cpu_compat), the worker glue
+  (vllm_dcr_plugin.worker: pause tracking, the shared receiver) and registers the weight-transfer
+  backend ``dcr`` with vLLM's worker and trainer factories (vllm_dcr_plugin.transfer).
+- Front door 1: ``DCRWorkerExtension`` is what ``vllm serve --worker-extension-cls
   vllm_dcr_plugin.DCRWorkerExtension`` (or ``LLM(worker_extension_cls=...)``) mixes into each
   worker; its ``dcr_``-prefixed methods are called with ``collective_rpc``.
+- Front door 2: ``vllm serve --weight-transfer-config '{"backend": "dcr"}'`` and vLLM's own
+  weight-transfer clients (vllm_dcr_plugin.transfer). Both doors drive the same receiver.
 
 The extension class is imported lazily, so loading the plugin in a process that does not serve
 DCR does not enable DCR there.
@@ -27,12 +31,22 @@ def register() -> None:
     _registered["count"] += 1
     if _registered["count"] > 1:
         return
-    from vllm_dcr_plugin import cpu_compat
+    from vllm_dcr_plugin import cpu_compat, worker
 
     try:
         cpu_compat.install()
     except Exception:  # a plugin must never take the engine down at import
         logger.exception("DCR plugin: CPU loader condition not installed")
+    try:
+        worker.install()
+    except Exception:
+        logger.exception("DCR plugin: worker glue not installed")
+    try:
+        from vllm_dcr_plugin.transfer import register_backends
+
+        register_backends()
+    except Exception:
+        logger.exception("DCR plugin: weight-transfer backend 'dcr' not registered")
 
 
 def registration_count() -> int:

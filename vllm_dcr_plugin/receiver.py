@@ -107,14 +107,15 @@ class Receiver:
             )
         return self.scratch
 
-    def stage(self, payloads: list) -> dict[str, Any]:
-        """Validate, deduplicate and keep payloads (see staging.py). Returns lists of ids."""
+    def stage(self, payloads: list, overwrite_only: bool = False) -> dict[str, Any]:
+        """Validate, deduplicate and keep payloads (see staging.py). Returns lists of ids.
+        `overwrite_only` (a retry): XOR items are rejected for every tensor."""
         self._require_prewarm()
         res = self.staging.stage(
             list(payloads),
             committed_version=self.committed_version,
             tensors=self.tensors,
-            no_xor=set(self.overwrite_only),
+            no_xor=set(self.tensors) if overwrite_only else set(self.overwrite_only),
             unsupported=set(self.unsupported),
         )
         res["rank"] = self.rank.get("rank", 0)
@@ -128,10 +129,11 @@ class Receiver:
         attempt: int,
         timeout_s: float = 60.0,
         apply: dict[str, Any] | None = None,
+        overwrite_only: bool = False,
     ) -> dict[str, Any]:
         """Fetch and stage every payload of the attempt from a store or a relay node's spool
         (sources.py); returns counts and staging results. A rejected payload fails the fetch
-        (nothing of it is applied).
+        (nothing of it is applied); with `overwrite_only` an XOR item is such a rejection.
 
         Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
         and each is applied as soon as it is staged, so payload l is applied while l + 1 is
@@ -160,7 +162,7 @@ class Receiver:
                 if armed.kill_after_payloads is not None:
                     if out["payloads"] >= armed.kill_after_payloads:
                         faults.kill_self()
-                res = self.stage([payload])
+                res = self.stage([payload], overwrite_only)
                 if res["rejected"]:
                     raise PayloadError(f"fetched payload rejected: {res['rejected'][0]['reason']}")
                 out["payloads"] += 1

@@ -1,0 +1,272 @@
+"""DCR as vLLM's weight-transfer backend ``dcr`` against a real ``vllm serve`` (CPU, TP=1) that has
+no DCR worker extension: the trainer side is vLLM's own ``WeightTransferTrainerFactory`` with
+``HTTPVLLMWeightSyncClient``; the oracle is vLLM's own ``/weight_checker`` checksums after a
+dense load of the same version.
+
+Owners here are `CheckpointOwners` (test-only, labelled: they publish the real encoded delta
+between two canonical checkpoints through a real directory transport instead of running a
+Megatron job; tests/test_native_megatron.py runs the same engine against the real trainer job).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
+from dcr_tools.procs import ServeProcess, base_env, free_port
+from shared_codec.buckets import BucketConfig, encode_items
+from shared_codec.checkpoint import load_checkpoint, tensor_table
+from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
+from shared_codec.errors import RefitFailed
+from shared_codec.format import PayloadMeta
+from shared_codec.records import Kind, diff_tensors
+from shared_codec.transport.seam import Seal, open_sink
+from shared_codec.transport.store import open_store
+from vllm_dcr_plugin import faults
+from vllm_dcr_plugin.transfer import reports
+
+pytestmark = pytest.mark.vllm
+
+VERSIONS = 6
+
+
+class CheckpointOwners:
+    """Test-only `Owners`: attempt a of version v publishes the delta v-1 -> v between two
+    canonical checkpoints (XOR, or overwrites on a retry) as one owner, then seals it."""
+
+    def __init__(self, versions: list[Path], transport: dict[str, Any]) -> None:
+        self.versions, self.transport = versions, transport
+        self.builds: list[tuple[int, int, bool]] = []
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
+        self.builds.append((version, attempt, retry))
+        old, new = (load_checkpoint(self.versions[v]) for v in (version - 1, version))
+        kind = Kind.OVERWRITE if retry else Kind.XOR
+        items = [diff_tensors(n, old[n], new[n], kind=kind) for n in sorted(new)]
+        meta = PayloadMeta(
+            version=version, base_version=version - 1, attempt=attempt, owner=0, sequence=0
+        )
+        payloads = encode_items(
+            [i for i in items if i.count], meta, BucketConfig(bucket_bytes=4096, threads=0)
+        )
+        with open_sink(self.transport, version=version, attempt=attempt, owner=0) as sink:
+            for p in payloads:
+                sink.send(p)
+            sent = sink.finish()
+        with open_sink(self.transport, version=version, attempt=attempt) as sink:
+            sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
+        return {"baseline_id": f"ckpt-v{version - 1}", "payloads": len(payloads)}
+
+    def commit(self, version: int) -> None:
+        pass
+
+    def abort(self, version: int, attempt: int) -> None:
+        pass
+
+
+class Server:
+    """One ``vllm serve`` with backend ``dcr`` and no worker extension, shared by the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.versions = [write_tiny_model("qwen3", root / "v0", seed=0)]
+        for v in range(1, VERSIONS):
+            perturb_checkpoint(self.versions[-1], root / f"v{v}", seed=v)
+            self.versions.append(root / f"v{v}")
+        self.fault_plan = root / "faults.json"
+        self.proc = ServeProcess(
+            self.versions[0],
+            free_port(),
+            log=root / "serve.log",
+            env=base_env(**{faults.ENV: str(self.fault_plan)}),
+            extension=False,
+            extra_args=[
+                "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+                "--enable-scale-out", "--max-model-len", "512",
+            ],
+        )  # fmt: skip
+        self.url = self.proc.start(timeout_s=420)
+
+    def post(self, path: str, body: Any = None, **params: Any) -> Any:
+        r = requests.post(self.url + path, json=body, params=params, timeout=300)
+        r.raise_for_status()
+        return r.json()
+
+    def checksums(self) -> dict[str, str]:
+        return self.post("/weight_checker", {"action": "checksum"})["checksums"]
+
+    def weight_version(self) -> str:
+        return requests.get(self.url + "/weight_info", timeout=30).json()["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = Server(tmp_path_factory.mktemp("native"))
+    try:
+        yield s
+    finally:
+        s.proc.stop()
+
+
+def trainer(server: Server, tmp: Path, **config: Any) -> Any:
+    """vLLM's trainer API with DCR's init info: what an orchestrator writes."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
+
+    store = {"kind": "dir", "root": str(tmp / "store")}
+    owners = CheckpointOwners(server.versions, store)
+    info = DCRTrainerInitInfo(
+        rank=0,
+        control=store,
+        transport=store,
+        owners=owners,  # type: ignore[arg-type]
+        tensors=tensor_table(server.versions[0]),
+        checkpoint_for=str(server.root / "v{version}"),
+        dense_load_at_init=True,  # the module's engine may hold any version: start from v0
+        **config,
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(server.url, timeout=600)
+    )
+    return engine, owners, open_store(store)
+
+
+def dense_checksums(server: Server, engine: Any, version: int) -> dict[str, str]:
+    """The oracle: vLLM's checksums after a dense load of `version` (leaves it loaded)."""
+    native = engine.coordinator.engines[0]
+    native.initialize(version, str(server.versions[version]))
+    return server.checksums()
+
+
+def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_path: Path):
+    engine, owners, control = trainer(server, tmp_path, verify=True)
+    native = engine.coordinator.engines[0]
+    assert engine.coordinator.committed_version() == 0
+
+    # v1: a clean delta refit through the four phases; vLLM stamps the weight version
+    res = engine.send_weights()
+    assert res.version == 1 and res.retries == 0 and res.record.receivers == ("engine0",)
+    assert server.weight_version() == "1"
+    after_v1 = server.checksums()
+
+    # v2: the engine fails part-way through attempt 0 (dirty); the overwrite retry repairs it
+    faults.arm(server.fault_plan, fail_after_items=2)
+    res = engine.send_weights()
+    assert res.version == 2 and res.retries == 1
+    failed = res.attempts[0]
+    assert not failed.ok and "engine0" in failed.failed
+    assert "InjectedFailure" in failed.failed["engine0"]
+    assert owners.builds[-2:] == [(2, 0, False), (2, 1, True)]
+    finish0 = json.loads(control.get(reports.key("engine0", reports.finish_step(2, 0), 0)))
+    assert finish0["committed"] is False  # attempt 0 was fenced, not committed
+    assert server.weight_version() == "2"
+    after_v2 = server.checksums()
+
+    # a stale update (base version 1, committed is 2) and bad arguments change nothing
+    client = native.client
+    client.start_weight_update()
+    client.update_weights({"version": 2, "base_version": 1, "attempt": 7})
+    client.update_weights({"version": "three", "base_version": 2, "attempt": 0})
+    client.update_weights({"version": 3, "base_version": 2, "attempt": 0, "colour": "red"})
+    client.finish_weight_update()
+    stale = json.loads(control.get(reports.key("engine0", reports.update_step(2, 7), 0)))
+    assert not stale["ok"] and "stale or foreign" in stale["error"]
+    bad = json.loads(control.get(reports.key("engine0", "invalid/update", 0)))
+    assert not bad["ok"] and "ProtocolError" in bad["error"] and "version" in bad["error"]
+    unknown = json.loads(control.get(reports.key("engine0", reports.update_step(3, 0), 0)))
+    assert not unknown["ok"] and "colour" in unknown["error"]
+    assert server.checksums() == after_v2
+    assert server.weight_version() == "2"
+
+    # the oracle: dense loads of v1 and v2 give vLLM's checksums of the delta refits
+    assert dense_checksums(server, engine, 1) == after_v1
+    assert dense_checksums(server, engine, 2) == after_v2
+
+
+def _generate(server: Server, max_tokens: int, started: threading.Event, out: list) -> None:
+    body = {
+        "token_ids": [1, 2, 3, 4],
+        "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+        "stream": True,
+    }
+    tokens, final = 0, None
+    with requests.post(
+        server.url + "/inference/v1/generate", json=body, stream=True, timeout=600
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += len(choice["token_ids"])
+            if tokens >= 8:
+                started.set()
+            if choice["finish_reason"] is not None:
+                final = choice
+    out.append((tokens, final))
+
+
+def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
+    engine, _, _ = trainer(server, tmp_path)
+    assert server.weight_version() == "0"
+
+    # the gate: a request runs and generation is not paused -> the apply is refused
+    gate = Coordinator(
+        engine.coordinator.control,
+        engine.coordinator.owners,
+        engine.coordinator.engines,
+        CoordinatorConfig(max_attempts=1),
+        transport=engine.coordinator.transport,
+    )
+    before = server.checksums()
+    started, done = threading.Event(), []
+    threads = [
+        threading.Thread(target=_generate, args=(server, 490, started, done)) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    assert started.wait(120)
+    with pytest.raises(RefitFailed, match="request gate closed"):
+        gate.refit()
+    for t in threads:
+        t.join(600)
+    assert [n for n, _ in done] == [490] * 3
+    assert server.checksums() == before  # refused before any write
+
+    # async RL: pause(keep) mid-generation, refit, resume: the frozen request continues on the
+    # new weights and its weight_versions show the switch
+    started, done = threading.Event(), []
+    t = threading.Thread(target=_generate, args=(server, 490, started, done))
+    t.start()
+    assert started.wait(120)
+    server.post("/pause", mode="keep")
+    assert requests.get(server.url + "/is_paused", timeout=30).json()["is_paused"] is True
+    res = engine.send_weights()  # the retry of the refused attempt: overwrites
+    assert res.version == 1 and res.attempts[-1].ok
+    server.post("/resume")
+    t.join(600)
+    tokens, final = done[0]
+    assert tokens == 490
+    spans = final["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "1"], spans
+    assert 0 < spans[0]["end"] == spans[1]["start"] < 490 and spans[1]["end"] == 490
+
+    # sync RL: pause(wait) drains, refit, resume; new requests run on v2
+    server.post("/pause", mode="wait")
+    res = engine.send_weights()
+    assert res.version == 2 and res.retries == 0
+    server.post("/resume")
+    started, done = threading.Event(), []
+    _generate(server, 16, started, done)
+    assert [s["version"] for s in done[0][1]["weight_versions"]] == ["2"]
+    after_v2 = server.checksums()
+    assert dense_checksums(server, engine, 2) == after_v2
+    time.sleep(0)  # keep the engine idle for the next module

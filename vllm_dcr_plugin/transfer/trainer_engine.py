@@ -1,0 +1,377 @@
+"""The trainer side of vLLM's weight-transfer backend ``dcr``: `DCRTrainerWeightTransferEngine`.
+
+An orchestrator written against vLLM's trainer API switches to DCR by name::
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        DCRTrainerInitInfo(rank=0, control=..., transport=..., owners=..., tensors=...),
+        client=HTTPVLLMWeightSyncClient(url, timeout=900),   # or RayVLLMWeightSyncClient
+    )
+    ...after every optimizer step...
+    engine.send_weights()        # one DCR transition, committed or RefitFailed
+
+``send_weights`` runs DCR's coordinator (shared_codec.coordination): owners (the trainer job's
+owner service) build and publish the attempt, every engine fetches and applies it, the commit
+record is compare-and-set, owners advance their baselines; a failed attempt is fenced and retried
+with overwrites. The engines are reached only through vLLM's client (`NativeEngine` below),
+mapping DCR's joint commit onto vLLM's four phases (docs/protocol.md, "Native weight transfer"):
+
+- ``init_weight_transfer_engine``: prewarm (and a dense load of the committed version when the
+  engine joins or is restored);
+- ``start_weight_update`` + ``update_weights``: one attempt, fetched and applied; the ACK is the
+  per-rank report the workers write into the control store;
+- commit record: written by the coordinator after every engine ACKed ok;
+- ``finish_weight_update(weight_version)``: the workers read the commit record: they commit when
+  it names their attempt (vLLM then stamps ``weight_version``), and fence the attempt otherwise.
+
+Multi-rank trainers: `trainer_init` and `send_weights` may run on every rank; rank 0 drives
+everything and the other ranks return at once (the owners' collective work runs in the owner
+service, which every trainer rank serves).
+
+Limitations:
+1. vLLM's clients return nothing and raise on HTTP errors only; results come back as reports in
+   the control store (vllm_dcr_plugin.transfer.reports), so the control store must be reachable
+   from trainer and workers alike.
+2. `HTTPVLLMWeightSyncClient`'s timeout (300 s by default) bounds one apply; give the client a
+   timeout above `ack_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from shared_codec.coordination.coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    Owners,
+    RefitResult,
+)
+from shared_codec.coordination.owners import RemoteOwners
+from shared_codec.errors import DCRError, EngineUnreachable
+from shared_codec.transport.seam import SINK_KINDS, parse_spec
+from shared_codec.transport.store import ObjectStore, open_store
+from vllm_dcr_plugin.transfer import register_backends, reports
+
+
+@dataclass
+class DCRTrainerInitInfo(TrainerInitInfo):
+    """Trainer init info of backend ``dcr``.
+
+    `control`: control store spec (``dir``/``s3``: commit and attempt records, worker reports);
+    `transport`: where owners publish payloads (sink spec: ``dir``, ``s3`` or ``relay``);
+    `source`: where the workers fetch them (default: `transport` when it is a store; a relay
+    node's ``{"kind": "spool", ...}`` for a relay tree); `owners`: the owner service's ZeroMQ
+    endpoint (or any `Owners` object); `tensors`: the canonical tensor table
+    ``[[name, dtype, shape], ...]``; `checkpoint_for`: a path template with ``{version}`` naming
+    a canonical checkpoint of each committed version (dense loads when an engine joins or is
+    restored; without it a failed engine cannot be restored); `dense_load_at_init`: dense-load
+    the committed version at init. The rest configures the coordinator
+    (`CoordinatorConfig`) and the updates (`pipelined`, `verify`)."""
+
+    backend: ClassVar[str] = "dcr"
+
+    control: dict[str, Any] = field(default_factory=dict)
+    transport: dict[str, Any] = field(default_factory=dict)
+    owners: str | Owners = ""
+    tensors: list = field(default_factory=list)
+    source: dict[str, Any] | None = None
+    checkpoint_for: str | None = None
+    dense_load_at_init: bool = False
+    engine_names: list[str] | None = None
+    max_attempts: int = 3
+    ack_timeout_s: float = 600.0
+    record_digests: bool = True
+    pipelined: bool = True
+    verify: bool = False
+    launcher: Callable[[str], VLLMWeightSyncClient] | None = None
+
+
+class NativeEngine:
+    """Coordinator `Engine` for one vLLM engine reached only through a `VLLMWeightSyncClient`.
+
+    Results are the per-rank reports the workers write into the control store. The handle keeps
+    vLLM's session state (``start_weight_update`` opens it, ``finish_weight_update`` closes it)
+    so that it never calls one out of order (the worker would raise and, with TP > 1, leave
+    stale replies in vLLM's executor)."""
+
+    def __init__(
+        self,
+        name: str,
+        client: VLLMWeightSyncClient,
+        *,
+        control: ObjectStore,
+        control_spec: dict[str, Any],
+        source: dict[str, Any],
+        tensors: list,
+        checkpoint_for: Callable[[int], str] | None = None,
+        launcher: Callable[[str], VLLMWeightSyncClient] | None = None,
+        pipelined: bool = True,
+        verify: bool = False,
+        digests: bool = True,
+    ) -> None:
+        self.name, self.client = name, client
+        self.control, self.control_spec = control, control_spec
+        self.source, self.tensors = source, tensors
+        self.checkpoint_for, self.launcher = checkpoint_for, launcher
+        self.pipelined, self.verify, self.digests = pipelined, verify, digests
+        self.world_size = 1
+        self.session_open = False
+        self.applied: tuple[int, int] | None = None  # (version, attempt) applied, not finished
+        self.last: list[dict[str, Any]] = []
+        self.last_digest = ""
+
+    # -- init / restore -----------------------------------------------------------------------
+    def initialize(self, version: int, dense_path: str | None = None) -> list[dict[str, Any]]:
+        """``init_weight_transfer_engine``: prewarm at committed `version` (after a dense load
+        of `dense_path`), then stamp `version` as the engine's weight version (an empty
+        session). Raises `DCRError` with the workers' errors when a rank failed."""
+        session = uuid.uuid4().hex
+        init = {
+            "engine": self.name,
+            "session": session,
+            "control": self.control_spec,
+            "source": self.source,
+            "tensors": self.tensors,
+            "committed_version": int(version),
+            "dense_path": dense_path,
+            "digest": self.digests,
+        }
+        self._call(self.client.init_weight_transfer_engine, init)
+        self.session_open, self.applied = False, None
+        step = reports.init_step(session)
+        first = reports.collect(self.control, self.name, step, world_size=1)[0]
+        self.world_size = int(first.get("world_size", 1))
+        got = reports.collect(self.control, self.name, step, world_size=self.world_size)
+        self._raise_failed("init", got)
+        self.last_digest = self._combined(got)
+        self._finish(str(version))
+        return got
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # requests / ray errors: the engine did not answer
+            raise EngineUnreachable(f"engine {self.name}: {type(e).__name__}: {e}") from None
+
+    def _raise_failed(self, what: str, got: list[dict[str, Any]]) -> None:
+        bad = [f"rank {r.get('rank')}: {r.get('error')}" for r in got if not r.get("ok")]
+        if bad:
+            raise DCRError(f"engine {self.name}: {what} failed: " + "; ".join(bad))
+
+    @staticmethod
+    def _combined(got: list[dict[str, Any]]) -> str:
+        """One digest over the ranks' digests in rank order ("" when none was reported)."""
+        if not all(r.get("digest") for r in got):
+            return ""
+        h = hashlib.sha256()
+        for r in sorted(got, key=lambda r: int(r["rank"])):
+            h.update(str(r["digest"]).encode())
+        return h.hexdigest()
+
+    # -- coordinator Engine protocol ----------------------------------------------------------
+    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
+        if not self.session_open:
+            self._call(self.client.start_weight_update)
+            self.session_open = True
+        update = {
+            "version": int(version),
+            "base_version": int(version) - 1,
+            "attempt": int(attempt),
+            "pipelined": self.pipelined,
+            "overwrite_only": attempt > 0,
+            "verify": self.verify,
+            "digest": self.digests,
+            "timeout_s": float(timeout_s),
+        }
+        self.applied = (int(version), int(attempt))
+        self._call(self.client.update_weights, update)
+        try:
+            got = reports.collect(
+                self.control,
+                self.name,
+                reports.update_step(version, attempt),
+                world_size=self.world_size,
+            )
+        except DCRError as e:
+            return {"ok": False, "error": str(e), "ranks": []}
+        self.last = got
+        errors = [f"rank {r.get('rank')}: {r.get('error')}" for r in got if not r.get("ok")]
+        if not errors:
+            self.last_digest = self._combined(got)
+        acks = [r.get("ack", {}) for r in got]
+        return {
+            "ok": not errors,
+            "error": "; ".join(errors) or None,
+            "ranks": got,
+            "elements_written": sum(int(a.get("elements_written", 0)) for a in acks),
+        }
+
+    def _finish(self, weight_version: str | None) -> None:
+        if not self.session_open:
+            self._call(self.client.start_weight_update)
+            self.session_open = True
+        self._call(self.client.finish_weight_update, weight_version)
+        self.session_open = False
+
+    def commit(self, version: int) -> None:
+        """``finish_weight_update(str(version))``: the workers find the commit record naming
+        their attempt and commit; vLLM stamps the weight version. When this handle applied
+        the attempt, every rank's finish report must say committed."""
+        applied, self.applied = self.applied, None
+        self._finish(str(version))
+        if applied is None or applied[0] != version:
+            return  # a resuming coordinator: a receiver that did not commit refuses the next
+        got = reports.collect(
+            self.control, self.name, reports.finish_step(*applied), world_size=self.world_size
+        )
+        self._raise_failed("finish (commit)", got)
+        missed = [r.get("rank") for r in got if not r.get("committed")]
+        if missed:
+            raise DCRError(f"engine {self.name}: rank(s) {missed} did not commit {version}")
+
+    def abort(self, attempt: int) -> None:
+        """``finish_weight_update()`` without a commit record for the attempt: the workers
+        fence it (its late payloads are refused)."""
+        self.applied = None
+        self._finish(None)
+
+    def digest(self) -> str:
+        """The digest the ranks reported with their last successful init or update."""
+        return self.last_digest
+
+    def restore(self, version: int) -> None:
+        """Re-init with a dense load of committed `version` (restarting the engine through
+        `launcher` when it does not answer)."""
+        if self.checkpoint_for is None:
+            raise DCRError(f"engine {self.name}: no checkpoint_for, cannot restore")
+        if self.session_open:
+            try:
+                self._finish(None)
+            except EngineUnreachable:
+                self.session_open = False
+        try:
+            self.initialize(version, self.checkpoint_for(version))
+        except EngineUnreachable:
+            if self.launcher is None:
+                raise
+            self.client = self.launcher(self.name)
+            self.session_open = False
+            self.initialize(version, self.checkpoint_for(version))
+
+
+class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitInfo]):
+    """Trainer engine of backend ``dcr`` (see the module docstring)."""
+
+    init_info_cls = DCRTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        coordinator: Coordinator | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.coordinator = coordinator
+        self.last_result: RefitResult | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: DCRTrainerInitInfo,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+    ) -> Self:
+        """Rank 0: initialize every engine (prewarm, or dense load + prewarm) at the committed
+        version and resume the coordinator (version 0 is committed on first use). `client`:
+        one `VLLMWeightSyncClient`, or a mapping of engine name -> client for several
+        engines. Other ranks: nothing."""
+        if not init_info.is_sender:
+            return cls(client=client, source=source, is_sender=False)
+        info = init_info
+        control_spec = parse_spec(info.control, ("dir", "s3"))
+        transport = parse_spec(info.transport, SINK_KINDS)
+        fetch_from = info.source or transport
+        if fetch_from.get("kind") not in ("dir", "s3", "spool"):
+            raise ValueError("source: give the relay node's spool spec for a relay transport")
+        control = open_store(control_spec)
+        clients = dict(client) if isinstance(client, Mapping) else {"engine0": client}
+        if info.engine_names is not None:
+            if isinstance(client, Mapping) or len(info.engine_names) != 1:
+                raise ValueError("engine_names names the one client; use a mapping for several")
+            clients = {info.engine_names[0]: client}
+        template = info.checkpoint_for
+
+        def checkpoint_for(version: int) -> str:
+            assert template is not None
+            return template.format(version=version)
+
+        engines = [
+            NativeEngine(
+                name,
+                c,
+                control=control,
+                control_spec=control_spec,
+                source=dict(fetch_from),
+                tensors=info.tensors,
+                checkpoint_for=checkpoint_for if template else None,
+                launcher=info.launcher,
+                pipelined=info.pipelined,
+                verify=info.verify,
+                digests=info.record_digests,
+            )
+            for name, c in clients.items()
+        ]
+        owners = RemoteOwners(info.owners) if isinstance(info.owners, str) else info.owners
+        coordinator = Coordinator(
+            control,
+            owners,
+            engines,  # type: ignore[arg-type]
+            CoordinatorConfig(
+                max_attempts=info.max_attempts,
+                ack_timeout_s=info.ack_timeout_s,
+                record_digests=info.record_digests,
+                pipeline=info.pipelined,
+            ),
+            transport=transport,
+        )
+        current = coordinator.commits.current()
+        version = 0 if current is None else current.version
+        dense = checkpoint_for(version) if info.dense_load_at_init and template else None
+        for e in engines:
+            e.initialize(version, dense)
+        if current is None:
+            coordinator.initialize()
+        else:
+            coordinator.resume()
+        return cls(client=client, source=source, is_sender=True, coordinator=coordinator)
+
+    def send_weights(self, version: int | None = None) -> RefitResult | None:
+        """Run one DCR transition to `version` (default: committed + 1) and return its result
+        (rank 0; other ranks return None). Raises `RefitFailed` after the last attempt; the
+        committed version then stays in force on every engine (see docs/protocol.md)."""
+        if not self.is_sender:
+            return None
+        assert self.coordinator is not None
+        self.last_result = self.coordinator.refit(version)
+        return self.last_result
+
+    def shutdown(self) -> None:
+        owners = getattr(self.coordinator, "owners", None)
+        if isinstance(owners, RemoteOwners):
+            owners.close()
+
+
+register_backends()

@@ -1,0 +1,386 @@
+"""The worker side of vLLM's weight-transfer backend ``dcr``: `DCRWeightTransferEngine`.
+
+vLLM creates it in every worker when the engine runs with ``--weight-transfer-config
+'{"backend": "dcr"}'`` (the general plugin registered the name) and calls it from its RL routes
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``) or ``LLM``/``AsyncLLM`` methods of the same names. It drives the
+worker's one `Receiver` (vllm_dcr_plugin.worker.receiver_of), the same one the ``dcr_*`` RPCs use.
+
+Calls (the trainer engine `vllm_dcr_plugin.transfer.trainer_engine` makes them in this order):
+
+1. ``init_weight_transfer_engine(DCRInitInfo)``: open the control store, optionally dense-load a
+   committed checkpoint, prewarm the canonical tensor table at the committed version. This is
+   also how a failed or restarted engine rejoins (a dense load of the committed version). A
+   weight-update session a vanished trainer left open is closed (its attempt fenced).
+2. ``start_weight_update()``: opens vLLM's session; nothing else.
+3. ``update_weights(DCRUpdateInfo)``: one attempt (version, base version, attempt) is fetched
+   from the payload source and applied, pipelined (each payload applied as it arrives) or
+   staged first; ``overwrite_only`` rejects XOR items (retries).
+4. ``finish_weight_update()``: reads the commit record of the pending attempt's version from
+   the control store: if it names this attempt, the post-apply check runs (the weights still
+   have the digest the update reported) and the receiver commits; otherwise the attempt is
+   fenced (its late payloads are refused) and the receiver stays dirty if part of it was
+   written. vLLM stamps ``weight_version`` on the engine after this returns.
+
+Never raises: a worker exception inside a multi-rank ``collective_rpc`` leaves stale replies in
+vLLM's executor, and a raising ``finish_weight_update`` leaves the worker's session open. Every
+call writes a per-rank report into the control store instead (vllm_dcr_plugin.transfer.reports):
+``ok``, ``error``, the receiver state. A bad argument is an error report naming it, and changes
+nothing; so is a stale or foreign update (base version != the committed version).
+
+Limitations:
+1. No draft-model (speculative decoding) updates.
+2. Reports are how results travel; an engine whose control store is unreachable cannot report
+   and the trainer sees missing reports (a failed attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from shared_codec.coordination.commit import CommitLog
+from shared_codec.errors import DCRError, ProtocolError
+from shared_codec.transport.store import ObjectStore, open_store
+from vllm_dcr_plugin import worker as dcr_worker
+from vllm_dcr_plugin.arguments import arguments, boolean, directory, integer, seconds, store_spec
+from vllm_dcr_plugin.staging import tensor_specs
+from vllm_dcr_plugin.transfer import reports
+
+logger = logging.getLogger(__name__)
+
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _name(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > 128 or not set(v) <= _NAME_CHARS:
+        raise ValueError(f"{what} must be 1-128 characters of [A-Za-z0-9-_.], got {v!r:.60}")
+    return v
+
+
+@dataclass
+class DCRInitInfo(WeightTransferInitInfo):
+    """``init_info`` of backend ``dcr`` (plain JSON values).
+
+    `engine`: this engine's name in reports and commit records; `session`: a fresh token per
+    init (reports of an earlier init are never mistaken for this one); `control`: the control
+    store spec (``{"kind": "dir"|"s3", ...}``: commit records and reports); `source`: the payload
+    source spec (``dir``/``s3`` store or a relay node's ``spool``); `tensors`: the canonical
+    tensor table ``[[name, dtype, shape], ...]``; `committed_version`: the version the weights
+    hold now; `dense_path`: a canonical checkpoint of that version to dense-load first; `key`:
+    hex of the payload authentication key (else ``DCR_PAYLOAD_KEY`` from the environment);
+    `digest`: report the weights' digest after init."""
+
+    engine: str = ""
+    session: str = ""
+    control: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+    tensors: list = field(default_factory=list)
+    committed_version: int = 0
+    dense_path: str | None = None
+    key: str | None = None
+    digest: bool = False
+
+
+@dataclass
+class DCRUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of backend ``dcr``: one attempt. `pipelined`: apply each payload as it
+    arrives (else fetch all, then apply); `overwrite_only`: reject XOR items (retries);
+    `verify`: post-apply comparison of the touched elements; `digest`: report the weights'
+    digest after apply (and check it again at finish); `timeout_s`: the fetch deadline."""
+
+    version: int = 0
+    base_version: int = 0
+    attempt: int = 0
+    pipelined: bool = True
+    overwrite_only: bool = False
+    verify: bool = False
+    digest: bool = False
+    timeout_s: float = 600.0
+
+
+@dataclass
+class _Invalid:
+    """Info that did not parse: carried to the call so that it can report the error."""
+
+    error: str
+    raw: Any
+
+
+_INIT_FIELDS = set(DCRInitInfo.__dataclass_fields__)
+_UPDATE_FIELDS = set(DCRUpdateInfo.__dataclass_fields__)
+
+
+def parse_init(d: Any) -> DCRInitInfo:
+    """Validated `DCRInitInfo` from a plain dict; `ProtocolError` naming the bad field."""
+    with arguments("init_weight_transfer_engine"):
+        if not isinstance(d, dict):
+            raise TypeError(f"init_info must be a JSON object, got {type(d).__name__}")
+        unknown = set(d) - _INIT_FIELDS
+        if unknown:
+            raise ValueError(f"unknown init_info field(s) {sorted(unknown)}")
+        info = DCRInitInfo(**d)
+        info.engine = _name(info.engine, "engine")
+        info.session = _name(info.session, "session")
+        info.control = store_spec(info.control)
+        if info.control["kind"] not in ("dir", "s3"):
+            raise ValueError("control must be a 'dir' or 's3' store spec")
+        info.source = store_spec(info.source)
+        tensor_specs(info.tensors)
+        info.committed_version = integer(info.committed_version, "committed_version")
+        if info.dense_path is not None:
+            info.dense_path = directory(info.dense_path, "dense_path")
+        if info.key is not None:
+            bytes.fromhex(info.key)
+        info.digest = boolean(info.digest, "digest")
+    return info
+
+
+def parse_update(d: Any) -> DCRUpdateInfo:
+    """Validated `DCRUpdateInfo` from a plain dict; `ProtocolError` naming the bad field."""
+    with arguments("update_weights"):
+        if not isinstance(d, dict):
+            raise TypeError(f"update_info must be a JSON object, got {type(d).__name__}")
+        unknown = set(d) - _UPDATE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown update_info field(s) {sorted(unknown)}")
+        info = DCRUpdateInfo(**d)
+        info.version = integer(info.version, "version")
+        info.base_version = integer(info.base_version, "base_version")
+        info.attempt = integer(info.attempt, "attempt")
+        for flag in ("pipelined", "overwrite_only", "verify", "digest"):
+            setattr(info, flag, boolean(getattr(info, flag), flag))
+        info.timeout_s = seconds(info.timeout_s, "timeout_s")
+        if info.version <= info.base_version:
+            raise ValueError(f"version {info.version} must be > base_version {info.base_version}")
+    return info
+
+
+class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
+    """Worker engine of backend ``dcr`` (see the module docstring)."""
+
+    init_info_cls = DCRInitInfo
+    update_info_cls = DCRUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.init: DCRInitInfo | None = None
+        self.control: ObjectStore | None = None
+        self.pending: tuple[int, int] | None = None  # (version, attempt) awaiting finish
+        self.reported_digest: str | None = None
+        self.world_size = int(vllm_config.parallel_config.world_size)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _worker(self) -> Any:
+        return dcr_worker.current_worker()
+
+    def _receiver(self) -> Any:
+        return dcr_worker.receiver_of(self._worker())
+
+    def _rank(self) -> int:
+        try:
+            return int(getattr(self._worker(), "rank", 0))
+        except DCRError:
+            return 0
+
+    def _report(self, step: str, report: dict[str, Any]) -> None:
+        if self.init is None or self.control is None:
+            logger.error("DCR engine: cannot report %s (no valid init): %s", step, report)
+            return
+        base: dict[str, Any] = {"rank": self._rank(), "world_size": self.world_size}
+        try:
+            worker = self._worker()
+            runner = getattr(worker, "model_runner", None)
+            base["requests"] = len(getattr(runner, "requests", None) or {})
+            base["paused"] = dcr_worker.paused()
+            status = self._receiver().status()
+            base.update(
+                state=status["state"],
+                committed_version=status["committed_version"],
+                target_version=status["target_version"],
+            )
+        except Exception as e:  # the report must still go out
+            base["status_error"] = f"{type(e).__name__}: {e}"
+        base.update(report)
+        try:
+            reports.write(self.control, self.init.engine, step, base["rank"], base)
+        except Exception:
+            logger.exception("DCR engine: writing the %s report failed", step)
+
+    @staticmethod
+    def _error(e: BaseException) -> dict[str, Any]:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+    # -- vLLM entry points --------------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        try:
+            return parse_init(init_dict)
+        except DCRError as e:
+            return _Invalid(f"{type(e).__name__}: {e}", init_dict)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        try:
+            return parse_update(update_dict)
+        except DCRError as e:
+            return _Invalid(f"{type(e).__name__}: {e}", update_dict)
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        if isinstance(init_info, _Invalid):
+            self._report_invalid_init(init_info)
+            return
+        try:
+            control = open_store(init_info.control)
+        except Exception as e:
+            logger.error("DCR engine %s: control store: %s", init_info.engine, e)
+            return
+        stale = self.pending
+        self.init, self.control, self.pending = init_info, control, None
+        step = reports.init_step(init_info.session)
+        try:
+            receiver = self._receiver()
+            worker = self._worker()
+            if getattr(worker, "_weight_update_active", False):
+                # a trainer that vanished mid-session: close it, refuse its attempt's payloads
+                worker._weight_update_active = False
+                if stale is not None:
+                    receiver.abort(stale[1])
+            if init_info.key is not None:
+                receiver.staging.key = bytes.fromhex(init_info.key)
+            out: dict[str, Any] = {}
+            if init_info.dense_path is not None:
+                out["dense_load"] = receiver.dense_load(
+                    init_info.dense_path, init_info.committed_version
+                )
+            out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
+            if init_info.digest:
+                out["digest"] = receiver.digest()["digest"]
+            self._report(step, {"ok": True, "error": None, **out})
+        except Exception as e:
+            self._report(step, self._error(e))
+
+    def _report_invalid_init(self, bad: _Invalid) -> None:
+        """An init that did not parse can still report when its engine, session and control
+        store are usable; otherwise the trainer sees the report missing."""
+        raw = bad.raw if isinstance(bad.raw, dict) else {}
+        try:
+            engine = _name(raw.get("engine"), "engine")
+            session = _name(raw.get("session"), "session")
+            control = open_store(store_spec(raw.get("control")))
+        except Exception:
+            logger.error("DCR engine: invalid init_info, cannot report: %s", bad.error)
+            return
+        rank = self._rank()
+        report = {"ok": False, "error": bad.error, "rank": rank, "world_size": self.world_size}
+        try:
+            reports.write(control, engine, reports.init_step(session), rank, report)
+        except Exception:
+            logger.exception("DCR engine: writing the init report failed")
+
+    def start_weight_update(self) -> None:
+        """Opens vLLM's session; DCR checks everything in `update_weights`."""
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """One attempt (see the module docstring); never raises, always reports.
+        Overrides the base method, which synchronizes an accelerator (none on CPU)."""
+        info = self.parse_update_info(update_info)
+        if isinstance(info, _Invalid):
+            step = self._invalid_step(update_info)
+            self._report(step, {"ok": False, "error": info.error})
+            return
+        self.receive_weights(info)
+
+    @staticmethod
+    def _invalid_step(raw: Any) -> str:
+        """Where a report of an unparseable update goes: its own attempt when the numbers
+        parse (so the trainer finds it), else a catch-all step."""
+        try:
+            v, a = integer(raw.get("version"), "v"), integer(raw.get("attempt"), "a")
+            return reports.update_step(v, a)
+        except Exception:
+            return "invalid/update"
+
+    def receive_weights(self, update_info: DCRUpdateInfo) -> None:
+        info = update_info
+        step = reports.update_step(info.version, info.attempt)
+        if self.init is None:
+            self._report(step, {"ok": False, "error": "ProtocolError: init not done"})
+            return
+        t0 = time.perf_counter()
+        try:
+            receiver = self._receiver()
+            if info.base_version != receiver.committed_version:
+                raise ProtocolError(
+                    f"update for {info.base_version} -> {info.version} does not apply to "
+                    f"committed version {receiver.committed_version} (stale or foreign); "
+                    "nothing changed"
+                )
+            closed = dcr_worker.gate(self._worker())
+            if closed:  # refuse before fetching: nothing of this attempt could be applied
+                raise ProtocolError(f"request gate closed for apply: {closed}")
+            self.pending, self.reported_digest = (info.version, info.attempt), None
+            opts = {"verify": info.verify} if info.pipelined else None
+            fetched = receiver.fetch(
+                self.init.source,
+                info.version,
+                info.attempt,
+                info.timeout_s,
+                opts,
+                overwrite_only=info.overwrite_only,
+            )
+            ack = (
+                fetched.pop("ack") if info.pipelined else receiver.apply(info.attempt, info.verify)
+            )
+            out: dict[str, Any] = {"ok": bool(ack.get("ok")), "error": ack.get("error")}
+            out.update(ack=ack, fetch=fetched, seconds=time.perf_counter() - t0)
+            if out["ok"] and info.digest:
+                self.reported_digest = out["digest"] = receiver.digest()["digest"]
+            self._report(step, out)
+        except Exception as e:
+            self._report(step, {**self._error(e), "seconds": time.perf_counter() - t0})
+
+    def finish_weight_update(self) -> None:
+        """Commit the pending attempt if the commit record names it, else fence it (see the
+        module docstring); never raises, reports unless nothing was pending."""
+        if self.pending is None or self.init is None or self.control is None:
+            return
+        version, attempt = self.pending
+        self.pending = None
+        step = reports.finish_step(version, attempt)
+        try:
+            receiver = self._receiver()
+            record = CommitLog(self.control).get(version)
+            if record is None or record.attempt != attempt:
+                out = receiver.abort(attempt)
+                named = "no commit record" if record is None else f"attempt {record.attempt}"
+                self._report(
+                    step,
+                    {"ok": True, "error": None, "committed": False, "fenced": out, "why": named},
+                )
+                return
+            if self.reported_digest is not None:
+                now = receiver.digest()["digest"]
+                if now != self.reported_digest:
+                    receiver.abort(attempt)
+                    raise DCRError(
+                        f"post-apply check: weights changed between the update's report "
+                        f"({self.reported_digest[:12]}) and finish ({now[:12]}); not committed"
+                    )
+            out = receiver.commit(version)
+            self._report(step, {"ok": True, "error": None, "committed": True, "commit": out})
+        except Exception as e:
+            self._report(step, {**self._error(e), "committed": False})
+
+    def shutdown(self) -> None:
+        self.init, self.control, self.pending = None, None, None
