@@ -184,12 +184,34 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     assert not bad["ok"] and "ProtocolError" in bad["error"] and "version" in bad["error"]
     unknown = json.loads(control.get(reports.key("engine0", reports.update_step(3, 0), 0)))
     assert not unknown["ok"] and "colour" in unknown["error"]
+    # bad init_info: answered in the report, the engine keeps its prewarm and version
+    good = {
+        "engine": "engine0",
+        "control": {"kind": "dir", "root": str(tmp_path / "store")},
+        "source": {"kind": "dir", "root": str(tmp_path / "store")},
+        "tensors": tensor_table(server.versions[0]),
+        "committed_version": 2,
+    }
+    bad_inits = {
+        "bad-version": ({"committed_version": -1}, "committed_version must be >= 0"),
+        "bad-kind": ({"source": {"kind": "ftp", "root": "/x"}}, "store spec kind"),
+        "bad-table": ({"tensors": [["w", "bfloat17", [2]]]}, "bfloat17"),
+        "bad-field": ({"colour": "red"}, "colour"),
+    }
+    for session, (change, reason) in bad_inits.items():
+        client.init_weight_transfer_engine({**good, "session": session, **change})
+        rep = json.loads(control.get(reports.key("engine0", reports.init_step(session), 0)))
+        assert not rep["ok"] and "ProtocolError" in rep["error"] and reason in rep["error"], rep
     assert server.checksums() == after_v2
     assert server.weight_version() == "2"
+    res = engine.send_weights()  # still prewarmed at v2, still the same control store
+    assert res.version == 3 and res.retries == 0
+    after_v3 = server.checksums()
 
     # the oracle: dense loads of v1 and v2 give vLLM's checksums of the delta refits
     assert dense_checksums(server, engine, 1) == after_v1
     assert dense_checksums(server, engine, 2) == after_v2
+    assert dense_checksums(server, engine, 3) == after_v3
 
 
 def _generate(server: Server, max_tokens: int, started: threading.Event, out: list) -> None:
