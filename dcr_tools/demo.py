@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools.demo_report import TABLE_NOTE, table_header, table_row, verdict, write_report
-from dcr_tools.procs import ServeProcess, base_env, free_port, torchrun_cmd
+from dcr_tools.procs import ServeProcess, base_env, free_port, start_rl_job
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig, RefitFailed
 from shared_codec.coordination.engines import HttpEngine
@@ -201,27 +201,15 @@ class Demo:
         env = base_env(VLLM_SERVER_DEV_MODE="1")
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
-        trainer_log = open(self.work / "trainer.log", "wb")  # noqa: SIM115
         self.procs.append(
-            subprocess.Popen(
-                torchrun_cmd(
-                    "dcr_tools.trainers.rl_job",
-                    [
-                        "--ckpt",
-                        str(model),
-                        "--tp",
-                        "2",
-                        "--endpoint",
-                        endpoint,
-                        *transport_args,
-                        "--lr",
-                        str(self.args.lr),
-                    ],
-                ),  # fmt: skip
-                stdout=trainer_log,
-                stderr=subprocess.STDOUT,
-                env={**env, "OMP_NUM_THREADS": "1"},
-                start_new_session=True,
+            start_rl_job(
+                model,
+                endpoint,
+                transport_args,
+                "--lr",
+                str(self.args.lr),
+                log=self.work / "trainer.log",
+                env=env,
             )
         )
         # --kill-every arms a test-only fault plan (vllm_dcr_plugin.faults) the rollout names

@@ -130,6 +130,33 @@ def torchrun_cmd(module: str, args: list[str], nproc: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
+def start_rl_job(
+    ckpt: str | os.PathLike[str],
+    endpoint: str,
+    transport_args: list[str],
+    *extra: str,
+    log: Path,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start the 2-rank RL trainer job (`dcr_tools.trainers.rl_job`, TP=2) serving the owner
+    service at `endpoint`, in its own process group, its output appended to `log`.
+    `transport_args`: ``["--store", SPEC_JSON]`` or the relay arguments; `extra`: more job
+    arguments (``--lr``, ``--bucket-bytes`` ...)."""
+    cmd = torchrun_cmd(
+        "dcr_tools.trainers.rl_job",
+        ["--ckpt", str(ckpt), "--tp", "2", "--endpoint", endpoint, *transport_args, *extra],
+    )
+    with open(log, "ab") as log_f:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**(env if env is not None else base_env()), "OMP_NUM_THREADS": "1"},
+            stdout=log_f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def run_torchrun(
     script: Path, args: list[str], *, tmp: Path, timeout: float = 420, nproc: int = 2
 ) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, kill_group, torchrun_cmd
+from dcr_tools.procs import ServeProcess, base_env, free_port, kill_group, start_rl_job
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
@@ -44,19 +44,11 @@ class Cluster:
 
     def start(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        cmd = torchrun_cmd(
-            "dcr_tools.trainers.rl_job",
-            ["--ckpt", str(self.ckpt), "--tp", "2", "--endpoint", endpoint,
-             "--store", json.dumps(self.store_spec)],
-        )  # fmt: skip
-        self.trainer_log = open(self.tmp / "trainer.log", "w")  # noqa: SIM115
-        self.trainer = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=base_env(OMP_NUM_THREADS="1"),
-            stdout=self.trainer_log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        self.trainer = start_rl_job(
+            self.ckpt,
+            endpoint,
+            ["--store", json.dumps(self.store_spec)],
+            log=self.tmp / "trainer.log",
         )
         self.servers = [
             ServeProcess(
@@ -117,6 +109,5 @@ class Cluster:
             while self.trainer.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.5)
             kill_group(self.trainer)
-            self.trainer_log.close()
         for s in self.servers:
             s.stop()

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools.bench.apply import MEDIUM, SMALL
-from dcr_tools.procs import ServeProcess, base_env, free_port, torchrun_cmd
+from dcr_tools.procs import ServeProcess, base_env, free_port, start_rl_job
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
@@ -75,28 +75,15 @@ def run(
         env = base_env(VLLM_SERVER_DEV_MODE="1")
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         print(f"[bench refit] {size} model; links of {gbit} Gbit/s; starting processes", flush=True)
-        trainer_log = open(work / "trainer.log", "wb")  # noqa: SIM115
         procs.append(
-            subprocess.Popen(
-                torchrun_cmd(
-                    "dcr_tools.trainers.rl_job",
-                    [
-                        "--ckpt",
-                        str(model),
-                        "--tp",
-                        "2",
-                        "--endpoint",
-                        endpoint,
-                        "--store",
-                        json.dumps(spec),
-                        "--bucket-bytes",
-                        str(int(bucket_mib * (1 << 20))),
-                    ],
-                ),  # fmt: skip
-                stdout=trainer_log,
-                stderr=subprocess.STDOUT,
-                env={**env, "OMP_NUM_THREADS": "1"},
-                start_new_session=True,
+            start_rl_job(
+                model,
+                endpoint,
+                ["--store", json.dumps(spec)],
+                "--bucket-bytes",
+                str(int(bucket_mib * (1 << 20))),
+                log=work / "trainer.log",
+                env=env,
             )
         )
         servers = [
