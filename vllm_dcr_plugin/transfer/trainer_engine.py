@@ -358,7 +358,8 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
             coordinator.resume()
         return cls(client=client, source=source, is_sender=True, coordinator=coordinator)
 
-    def send_weights(self, version: int | None = None) -> RefitResult | None:
+    # vLLM's base returns None; returning the result as well is harmless to its callers
+    def send_weights(self, version: int | None = None) -> RefitResult | None:  # type: ignore[override]
         """Run one DCR transition to `version` (default: committed + 1) and return its result
         (rank 0; other ranks return None). Raises `RefitFailed` after the last attempt; the
         committed version then stays in force on every engine (see docs/protocol.md)."""
