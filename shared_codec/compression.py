@@ -39,8 +39,11 @@ def compress(data: bytes | memoryview) -> bytes:
 def decompress_exact(frame: bytes | memoryview, expected: int, cap: int) -> bytes:
     """Decompress one frame that must expand to exactly `expected` bytes (<= `cap`).
 
-    Raises ValueError (with the reason) for a size mismatch, a frame without a content size, a
-    size over the cap, or corrupt data.
+    The frame's declared content size is checked against `expected` and `cap` before anything
+    is allocated, and decompression itself is bounded (``max_output_size``), so the
+    output buffer is never larger than `expected`. Raises ValueError (with the reason) for a
+    size mismatch, a frame without a content size, a size over the cap, trailing bytes after
+    the frame, or corrupt or truncated data.
     """
     if expected > cap:
         raise ValueError(f"declared size {expected} exceeds the cap of {cap} bytes")
@@ -50,7 +53,21 @@ def decompress_exact(frame: bytes | memoryview, expected: int, cap: int) -> byte
         raise ValueError(f"not a zstd frame: {e}") from None
     if declared != expected:
         raise ValueError(f"frame declares {declared} bytes, header declares {expected}")
-    # zstd enforces the declared content size while decoding, so this allocation is bounded.
+    if expected == 0:
+        return _decompress_empty(frame)
+    try:
+        out = _decompressor().decompress(frame, max_output_size=expected, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"corrupt, truncated or trailing zstd data: {e}") from None
+    if len(out) != expected:
+        raise ValueError(f"frame expanded to {len(out)} bytes, expected {expected}")
+    return out
+
+
+def _decompress_empty(frame: bytes | memoryview) -> bytes:
+    """A frame declaring 0 bytes: zstandard's one-shot call returns b"" without reading such a
+    frame, so it is streamed (zstd refuses blocks past the declared size; output is at most one
+    block) and must end exactly at the frame's end."""
     dobj = _decompressor().decompressobj()
     try:
         out = dobj.decompress(frame)
@@ -60,6 +77,6 @@ def decompress_exact(frame: bytes | memoryview, expected: int, cap: int) -> byte
         raise ValueError("truncated zstd frame")
     if dobj.unused_data:
         raise ValueError(f"{len(dobj.unused_data)} bytes after the zstd frame")
-    if len(out) != expected:
-        raise ValueError(f"frame expanded to {len(out)} bytes, expected {expected}")
-    return out
+    if out:
+        raise ValueError(f"frame expanded to {len(out)} bytes, expected 0")
+    return b""

@@ -17,6 +17,14 @@ content hash, identical for identical content, used by receivers to deduplicate.
 before touching memory, bounds decompression by the header and a global cap, and raises
 `PayloadError` naming the payload and the field; it never mutates anything outside its output.
 No pickle anywhere.
+
+Decoding memory is bounded by the header, checked before decompression: every item's `count`
+is at most its numel (and, given `destinations`, at most the destination tensor's numel), its
+location section at most `loc_bound(count)` bytes and its value section exactly `count` words, so
+the raw body is at most the sum over items of ``18 + (16 + itemsize) * count`` bytes and every
+transient array of the decode is a small multiple of the entries it yields (docs/format.md).
+A malformed input or key (wrong type or length) is a `PayloadError` too, never a ValueError
+or TypeError.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +59,15 @@ MAX_NDIM = 16
 DEFAULT_MAX_BODY = 1 << 30
 #: Default cap on items per payload.
 DEFAULT_MAX_ITEMS = 1 << 20
+#: Largest BLAKE2b key (the payload secret).
+MAX_KEY_SIZE = 64
+
+
+def loc_bound(count: int) -> int:
+    """Most bytes a location section of `count` entries may take (format v1): the ranges head
+    plus two 8-byte words per entry. Every encoding DCR writes fits (gaps 9 + 8(count-1), plain
+    gaps 4 count, ranges 10 + 16 runs, bitmap only when smaller than gaps)."""
+    return 18 + 16 * count
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,6 +228,35 @@ class _Reader:
         return out
 
 
+def _bytes_view(data: object) -> memoryview:
+    """`data` as a flat byte view; PayloadError for anything that is not bytes-like."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PayloadError(f"payload <{type(data).__name__}>: field data: not bytes")
+    buf = memoryview(data)
+    if buf.ndim != 1 or buf.itemsize != 1:
+        try:
+            buf = buf.cast("B")
+        except (TypeError, ValueError) as e:
+            raise PayloadError(
+                f"payload <view>: field data: not a flat byte buffer ({e})"
+            ) from None
+    return buf
+
+
+def _check_key(key: object) -> bytes | None:
+    """The payload secret as bytes (None or b"" for none); PayloadError for a wrong type/length."""
+    if key is None:
+        return None
+    if not isinstance(key, bytes | bytearray | memoryview):
+        raise PayloadError(f"payload <key>: field key: must be bytes, got {type(key).__name__}")
+    key = bytes(key)
+    if len(key) > MAX_KEY_SIZE:
+        raise PayloadError(
+            f"payload <key>: field key: {len(key)} bytes, at most {MAX_KEY_SIZE} (BLAKE2b)"
+        )
+    return key or None
+
+
 def peek_header(
     data: bytes | memoryview,
     *,
@@ -223,7 +269,8 @@ def peek_header(
     A keyed payload needs the key; an unkeyed payload is rejected when a key is configured (a
     receiver with a secret accepts only authenticated payloads).
     """
-    buf = memoryview(data)
+    buf = _bytes_view(data)
+    key = _check_key(key)
     label = f"<{len(buf)} bytes>"
     if len(buf) < PREFIX.size + HEAD.size + DIGEST_SIZE:
         raise PayloadError(f"payload {label}: field length: {len(buf)} bytes is too short")
@@ -299,6 +346,11 @@ def peek_header(
             raise PayloadError(f"payload {label}: field {f}.count: {count} > numel {numel}")
         if val_len != count * d.itemsize:
             raise PayloadError(f"payload {label}: field {f}.val_len: {val_len} for {count} entries")
+        if loc_len > loc_bound(count):
+            raise PayloadError(
+                f"payload {label}: field {f}.loc_len: {loc_len} bytes for {count} entries "
+                f"(at most {loc_bound(count)})"
+            )
         if loc_code not in locations.NAMES or val_code not in values.NAMES:
             raise PayloadError(f"payload {label}: field {f}.encoding: unknown code")
         section_total += loc_len + val_len
@@ -352,11 +404,56 @@ def decode_payload(
     key: bytes | None = None,
     max_body: int = DEFAULT_MAX_BODY,
     max_items: int = DEFAULT_MAX_ITEMS,
+    destinations: Mapping[str, int] | None = None,
 ) -> Payload:
-    """Validate and decode a whole payload. Raises PayloadError; never mutates its input."""
+    """Validate and decode a whole payload. Raises PayloadError; never mutates its input.
+
+    `destinations` (numel of each destination tensor, by name), when given, is checked against
+    the header before the body is decompressed: an item naming another tensor, whose shape has
+    another numel, or that declares more entries than the destination holds, is rejected.
+    """
     header = peek_header(data, key=key, verify=True, max_items=max_items)
+    if destinations is not None:
+        check_destinations(header, destinations)
+    return decode_body(data, header, max_body=max_body)
+
+
+def check_destinations(header: PayloadHeader, destinations: Mapping[str, int]) -> None:
+    """PayloadError unless every item names a tensor of `destinations` (numel by name) with
+    the same numel and at most that many entries. Header only: call it before `decode_body`."""
     label = header.payload_id_hex
-    buf = memoryview(data)
+    for i, e in enumerate(header.items):
+        f = f"items[{i}] ({e.name})"
+        want = destinations.get(e.name)
+        if want is None:
+            raise PayloadError(f"payload {label}: field {f}.name: no such destination tensor")
+        numel = _numel(e.shape)
+        if numel != want or e.count > want:
+            raise PayloadError(
+                f"payload {label}: field {f}.count: {e.count} entries of a {numel}-element "
+                f"item for a destination of {want} elements"
+            )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def decode_body(
+    data: bytes | memoryview, header: PayloadHeader, *, max_body: int = DEFAULT_MAX_BODY
+) -> Payload:
+    """Decode the body of `data`, whose header `peek_header` returned (verified) as `header`.
+
+    Decompression is bounded by `header.body_raw_len` (itself bounded by the item table, see
+    the module docstring) and by `max_body`; PayloadError for anything malformed.
+    """
+    label = header.payload_id_hex
+    buf = _bytes_view(data)
+    if len(buf) != header.total_len:
+        raise PayloadError(f"payload {label}: field length: header is of another payload")
     start = len(buf) - DIGEST_SIZE - header.body_stored_len
     stored = buf[start : len(buf) - DIGEST_SIZE]
     if header.flags & FLAG_ZSTD:
@@ -372,9 +469,7 @@ def decode_payload(
     pos = 0
     for i, entry in enumerate(header.items):
         d = dtype_of(entry.dtype)
-        numel = 1
-        for s in entry.shape:
-            numel *= s
+        numel = _numel(entry.shape)
         loc = raw[pos : pos + entry.loc_len]
         pos += entry.loc_len
         val = raw[pos : pos + entry.val_len]

@@ -138,6 +138,24 @@ def _check_bounded(values: np.ndarray, numel: int, field: str) -> None:
         raise ValueError(f"{field}: values exceed the tensor size {numel}")
 
 
+def _bitmap_indices(packed: np.ndarray, span: int, count: int) -> np.ndarray:
+    """Set bit positions of a little-bit-order bitmap of `span` bits that must hold exactly
+    `count` set bits. Only non-zero bytes are unpacked (each holds at least one set bit, so
+    more than `count` of them is an error found before unpacking): memory is O(count), not
+    O(span)."""
+    nz = np.flatnonzero(packed)
+    if nz.size > count:
+        raise ValueError(f"locations.bitmap: more than {count} bits set, count is {count}")
+    bits = np.unpackbits(packed[nz], bitorder="little").reshape(-1, 8)
+    rows, cols = np.nonzero(bits)
+    out = nz[rows].astype(np.int64) * 8 + cols
+    if out.shape[0] != count:
+        raise ValueError(f"locations.bitmap: {out.shape[0]} bits set, count is {count}")
+    if count and int(out[-1]) >= span:
+        raise ValueError("locations.bitmap: bits set beyond the span")
+    return out
+
+
 def decode_locations(code: int, buf: memoryview | bytes, count: int, numel: int) -> np.ndarray:
     """Decode a location section; ValueError names the first field that fails validation."""
     buf = memoryview(buf)
@@ -197,12 +215,7 @@ def decode_locations(code: int, buf: memoryview | bytes, count: int, numel: int)
         if span > numel or base > numel - span:
             raise ValueError(f"locations.bitmap: [{base}, {base}+{span}) outside numel {numel}")
         _need(buf, 16 + (span + 7) // 8, "locations.bitmap")
-        bits = np.unpackbits(np.frombuffer(buf[16:], dtype=np.uint8), bitorder="little")
-        if span % 8 and bits[span:].any():
-            raise ValueError("locations.bitmap: bits set beyond the span")
-        out = np.flatnonzero(bits[:span]).astype(np.int64) + base
-        if out.shape[0] != count:
-            raise ValueError(f"locations.bitmap: {out.shape[0]} bits set, count is {count}")
+        out = _bitmap_indices(np.frombuffer(buf[16:], dtype=np.uint8), span, count) + base
     else:
         raise ValueError(f"locations.encoding: unknown code {code}")
     if count and (int(out[-1]) >= numel or int(out[0]) < 0):

@@ -3,7 +3,11 @@
 `StagingArea.stage` checks each payload completely before keeping it: digest and key, format,
 payload id, that its base version is the receiver's committed version, that its attempt is not
 fenced, that every item names a tensor of the prewarm table with the same dtype and shape, that
-XOR items only target tensors whose loader path takes XOR, and that the body decodes. A rejected
+XOR items only target tensors whose loader path takes XOR, and that the body decodes. Everything
+but the last is checked on the header alone, before the body is decompressed: an item's count is
+at most its shape's numel (format.py), so a payload declaring more entries than its destination
+tensor holds is rejected before any body-sized allocation, and decoding memory stays within a
+fixed multiple of the destination tensors' sizes (docs/format.md, "Decoder bounds"). A rejected
 payload is not kept and changes nothing; a payload whose id was already staged or applied in the
 current transition is reported as a duplicate and dropped (XOR twice would restore old bits).
 
@@ -24,7 +28,14 @@ from typing import Any
 
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import PayloadError, ProtocolError
-from shared_codec.format import DEFAULT_MAX_BODY, Payload, PayloadHeader, decode_payload
+from shared_codec.format import (
+    DEFAULT_MAX_BODY,
+    MAX_KEY_SIZE,
+    Payload,
+    PayloadHeader,
+    decode_body,
+    peek_header,
+)
 from shared_codec.records import Kind
 
 
@@ -40,14 +51,20 @@ KEY_ENV = "DCR_PAYLOAD_KEY"
 
 
 def key_from_env() -> bytes | None:
-    """The shared payload secret from ``DCR_PAYLOAD_KEY`` (hex), if set."""
+    """The shared payload secret from ``DCR_PAYLOAD_KEY`` (hex, 1 to 64 bytes), if set;
+    `ProtocolError` for anything else (not hex, or too long for a BLAKE2b key)."""
     raw = os.environ.get(KEY_ENV, "").strip()
     if not raw:
         return None
     try:
-        return bytes.fromhex(raw)
+        key = bytes.fromhex(raw)
     except ValueError:
         raise ProtocolError(f"{KEY_ENV} must be hex-encoded") from None
+    if len(key) > MAX_KEY_SIZE:
+        raise ProtocolError(
+            f"{KEY_ENV} is {len(key)} bytes; a payload key is at most {MAX_KEY_SIZE}"
+        )
+    return key
 
 
 def tensor_specs(table: object) -> dict[str, TensorSpec]:
@@ -115,16 +132,24 @@ class StagingArea:
         {"index", "payload_id", "reason"} in input order.
         """
         out: dict[str, list] = {"staged": [], "duplicates": [], "rejected": []}
-        for i, data in enumerate(payloads):
-            data = bytes(data)
+        for i, raw in enumerate(payloads):
             try:
-                payload = decode_payload(data, key=self.key, max_body=self.max_body)
+                if not isinstance(raw, bytes | bytearray | memoryview):
+                    raise PayloadError(f"payload <{type(raw).__name__}>: field data: not bytes")
+                data = bytes(raw)
+                h = peek_header(data, key=self.key)
             except PayloadError as e:
                 out["rejected"].append({"index": i, "payload_id": None, "reason": str(e)})
                 continue
-            h = payload.header
             pid = h.payload_id_hex
+            # header against the destinations first: nothing body-sized is allocated for a
+            # payload that names, shapes or sizes a tensor this receiver does not hold
             reason = self._check(h, committed_version, tensors, no_xor, unsupported)
+            if not reason:
+                try:
+                    payload = decode_body(data, h, max_body=self.max_body)
+                except PayloadError as e:
+                    reason = str(e)
             if reason:
                 out["rejected"].append({"index": i, "payload_id": pid, "reason": reason})
                 continue

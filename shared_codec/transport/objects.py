@@ -33,6 +33,7 @@ once their version is old.
 from __future__ import annotations
 
 import json
+import operator
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -203,6 +204,14 @@ class ObjectSink:
         self.close()
 
 
+def _is_size(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_id(v: object) -> bool:
+    return isinstance(v, str) and len(v) == 32 and set(v) <= set("0123456789abcdef")
+
+
 class ObjectFetcher:
     """A rollout node's reader: every payload of an attempt, exactly once, verified."""
 
@@ -215,13 +224,21 @@ class ObjectFetcher:
         """The manifest if written; raises TransportError if the attempt was abandoned."""
         prefix = attempt_prefix(version, attempt)
         try:
-            return json.loads(self.store.get(f"{prefix}manifest.json"))
+            m = json.loads(self.store.get(f"{prefix}manifest.json"))
         except KeyError:
             pass
+        except ValueError as e:  # not JSON (a stored object written by something else)
+            raise TransportError(f"{prefix}manifest.json is not JSON: {e}") from None
+        else:
+            if not isinstance(m, dict):
+                raise TransportError(f"{prefix}manifest.json is not a JSON object")
+            return m
         try:
             why = json.loads(self.store.get(f"{prefix}abandoned.json")).get("reason", "")
         except KeyError:
             return None
+        except (ValueError, AttributeError):
+            why = "(unreadable abandon marker)"
         raise TransportError(
             f"version {version} attempt {attempt} was abandoned by the coordinator: {why}"
         )
@@ -259,13 +276,28 @@ class ObjectFetcher:
         return data
 
     def _listed(self, version: int, attempt: int, m: dict) -> list[dict]:
+        """The manifest's payload entries in (owner, sequence) order, each checked to be
+        ``{"key": str, "size": int >= 0, "payload_id": 32 lowercase hex digits}``; a malformed
+        manifest or owner list (wrong type, missing field, bad id) is a TransportError."""
         prefix = attempt_prefix(version, attempt)
         entries: list[dict] = []
-        for owner in m["owners"]:
-            listing = json.loads(self.store.get(f"{prefix}owners/o{owner:05d}.json"))
-            if len(listing["payloads"]) != m["payload_counts"][str(owner)]:
-                raise TransportError(f"owner {owner} list disagrees with the manifest")
-            entries.extend(listing["payloads"])
+        try:
+            for owner in m["owners"]:
+                listing = json.loads(
+                    self.store.get(f"{prefix}owners/o{operator.index(owner):05d}.json")
+                )
+                if len(listing["payloads"]) != m["payload_counts"][str(owner)]:
+                    raise TransportError(f"owner {owner} list disagrees with the manifest")
+                entries.extend(listing["payloads"])
+            for e in entries:
+                size, pid = e["size"], e["payload_id"]
+                if not isinstance(e["key"], str) or not _is_size(size) or not _is_id(pid):
+                    raise ValueError(f"bad payload entry {e!r:.200}")
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise TransportError(
+                f"version {version} attempt {attempt}: malformed manifest or owner list: "
+                f"{type(err).__name__}: {err}"
+            ) from None
         return entries
 
     def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:

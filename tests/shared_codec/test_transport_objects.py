@@ -311,3 +311,39 @@ def test_transport_specs_are_validated(tmp_path: Path) -> None:
             open_sink(bad, version=1, attempt=0, owner=0)
     with pytest.raises(ValueError, match="kind must be one of"):
         open_source({"kind": "relay", "root": "tcp://127.0.0.1:1"})
+
+
+def test_malformed_manifests_and_listings_are_transport_errors(tmp_path: Path) -> None:
+    """A manifest or owner list with a wrong type, a missing field or a malformed payload id
+    fails the fetch with TransportError (never a KeyError / TypeError / ValueError)."""
+    import json
+
+    store = DirectoryStore(tmp_path / "store")
+    pub = ObjectPublisher(store, version=2, attempt=0, owner=0)
+    for p in _payloads(0)[:2]:
+        pub.send(p)
+    pub.finish()
+    write_manifest(store, version=2, base_version=1, attempt=0, owners=[0])
+    assert len(list(ObjectFetcher(store).fetch(2, 0, timeout_s=5))) == 2
+    prefix = "v000000000002/a000000/"
+    manifest = json.loads(store.get(f"{prefix}manifest.json"))
+    listing = json.loads(store.get(f"{prefix}owners/o00000.json"))
+    entry = listing["payloads"][0]
+    bad_manifests = [b"{not json", b"[1, 2]", json.dumps({**manifest, "owners": ["x"]}).encode()]
+    bad_entries = [
+        {**entry, "payload_id": "ab"},
+        {**entry, "payload_id": 7},
+        {**entry, "size": "12"},
+        {k: v for k, v in entry.items() if k != "key"},
+    ]
+    good_manifest = store.get(f"{prefix}manifest.json")
+    for bad in bad_manifests:
+        store.put(f"{prefix}manifest.json", bad)
+        with pytest.raises(TransportError, match="manifest"):
+            list(ObjectFetcher(store).fetch(2, 0, timeout_s=5))
+    store.put(f"{prefix}manifest.json", good_manifest)
+    for bad in bad_entries:
+        body = {**listing, "payloads": [bad, *listing["payloads"][1:]]}
+        store.put(f"{prefix}owners/o00000.json", json.dumps(body).encode())
+        with pytest.raises(TransportError, match="malformed manifest or owner list"):
+            list(ObjectFetcher(store).fetch(2, 0, timeout_s=5))

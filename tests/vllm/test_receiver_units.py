@@ -369,3 +369,100 @@ def test_prefetch_thread_ends_when_its_consumer_gives_up() -> None:
     assert next(it) == b"a"
     with pytest.raises(OSError, match="link down"):
         next(it)
+
+
+def test_staging_checks_the_destination_before_decompression(monkeypatch) -> None:
+    import numpy as np
+
+    from shared_codec import compression
+    from shared_codec.format import encode_payload
+    from shared_codec.records import make_item
+    from vllm_dcr_plugin.staging import StagingArea, TensorSpec
+
+    calls: list[int] = []
+    real = compression.decompress_exact
+    monkeypatch.setattr(
+        compression, "decompress_exact", lambda f, n, c: calls.append(n) or real(f, n, c)
+    )
+    item = make_item(
+        "w", "uint8", (4096,), 1, Kind.OVERWRITE, np.arange(4096), np.ones(4096, np.uint8)
+    )
+    data = encode_payload(
+        [item], PayloadMeta(version=2, base_version=1, attempt=0, owner=1, sequence=0)
+    )
+    area = StagingArea()
+    for spec, why in (
+        (TensorSpec("uint8", (1024,)), "uint8[4096] in the payload"),
+        (TensorSpec("int8", (4096,)), "on this receiver"),
+    ):
+        res = area.stage(
+            [data], committed_version=1, tensors={"w": spec}, no_xor=set(), unsupported=set()
+        )
+        assert not res["staged"] and res["rejected"][0]["payload_id"] is not None
+        assert why in res["rejected"][0]["reason"]
+    assert calls == []
+    res = area.stage(
+        [data, "not bytes", 7],  # type: ignore[list-item]
+        committed_version=1,
+        tensors={"w": TensorSpec("uint8", (4096,))},
+        no_xor=set(),
+        unsupported=set(),
+    )
+    assert len(res["staged"]) == 1 and len(calls) == 1
+    assert [r["index"] for r in res["rejected"]] == [1, 2]
+    assert all("not bytes" in r["reason"] for r in res["rejected"])
+
+
+def test_key_from_env_rejects_malformed_keys(monkeypatch) -> None:
+    import pytest
+
+    from shared_codec.errors import ProtocolError
+    from vllm_dcr_plugin.staging import key_from_env
+
+    monkeypatch.setenv("DCR_PAYLOAD_KEY", "ab" * 65)
+    with pytest.raises(ProtocolError, match="at most 64"):
+        key_from_env()
+    monkeypatch.setenv("DCR_PAYLOAD_KEY", "xyz")
+    with pytest.raises(ProtocolError, match="hex"):
+        key_from_env()
+    monkeypatch.setenv("DCR_PAYLOAD_KEY", "ab" * 64)
+    assert key_from_env() == b"\xab" * 64
+
+
+def test_rpc_answers_malformed_keys_and_payloads_with_ok_false(monkeypatch) -> None:
+    """A malformed payload key (too long, not hex) or payload (not bytes) is an ``ok: false``
+    ProtocolError reply from the RPC, never a ValueError / TypeError out of it."""
+    from vllm_dcr_plugin import cpu_compat
+
+    # importing the extension marks this process as serving DCR: restore that afterwards
+    monkeypatch.setitem(
+        cpu_compat._state, "enabled_by_extension", cpu_compat._state["enabled_by_extension"]
+    )
+    from vllm_dcr_plugin.extension import DCRWorkerExtension
+
+    class Worker(DCRWorkerExtension):
+        rank = 0
+
+        def __init__(self) -> None:
+            self.model_runner = type("Runner", (), {"model": FakeLoaderModel(), "requests": {}})()
+
+        def _dcr_ranks(self) -> dict[str, int]:  # no vLLM distributed state in a unit test
+            return {"rank": 0}
+
+    for key, why in (("ab" * 65, "at most 64"), ("zz", "hex-encoded")):
+        monkeypatch.setenv("DCR_PAYLOAD_KEY", key)
+        reply = Worker().dcr_stage([b"x"])
+        assert (
+            reply["ok"] is False
+            and reply["error"].startswith("ProtocolError")
+            and why in reply["error"]
+        )
+    monkeypatch.delenv("DCR_PAYLOAD_KEY")
+    w = Worker()
+    table = [[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()]
+    assert w.dcr_prewarm(table)["ok"] is True
+    for bad in (["text"], [5], "bytes", None):
+        reply = w.dcr_stage(bad)
+        assert reply["ok"] is False and reply["error"].startswith("ProtocolError"), reply
+    reply = w.dcr_stage([b"DCRP" + bytes(100)])
+    assert reply["ok"] is True and reply["rejected"] and "payload" in reply["rejected"][0]["reason"]

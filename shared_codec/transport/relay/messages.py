@@ -14,6 +14,11 @@ Kinds and who sends them (the module docstring of the package tells the protocol
 - `Abandon` (the coordinator gave the attempt up; root -> children) and its `AbandonAck`;
 - `Refused` (a node could not parse a message: the sender learns why instead of timing out).
 
+Validation bounds (each failure is a `RelayMessageError`, never another exception): a frame
+must be bytes-like and at most `MAX_FRAME` bytes of UTF-8 JSON (too deep a nesting or an
+integer literal past Python's digit limit is refused, not raised through); integers are in ``[0, 2**64)``; payload ids are 32 lowercase hex digits (BLAKE2b-128, as
+`shared_codec.format` writes them); `timeout_s` is finite and in ``(0, MAX_TIMEOUT_S]``.
+
 Limitations:
 1. The field sets are version 1 of the relay protocol; peers of one tree run the same code
    (there is no negotiation). New fields must get defaults.
@@ -22,6 +27,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any, ClassVar
@@ -110,6 +116,14 @@ class Refused:
     error: str
 
 
+#: Largest header frame accepted (a manifest of ~1M payload ids fits).
+MAX_FRAME = 64 << 20
+#: Longest `timeout_s` accepted (a day); longer, NaN or infinite deadlines would never expire.
+MAX_TIMEOUT_S = 86400.0
+_ID_CHARS = frozenset("0123456789abcdef")
+_ID_LEN = 32
+_ID_FIELDS = frozenset({"payload_id", "payload_ids"})
+
 Message = Payload | PayloadAck | Manifest | ManifestAck | Abandon | AbandonAck | Refused
 
 _CLASSES: dict[str, type] = {
@@ -135,22 +149,41 @@ def encode(msg: Message) -> bytes:
     return json.dumps(body).encode()
 
 
-def decode(frame: bytes | bytearray | memoryview) -> Message:
-    """Parse and validate one header frame; raises `RelayMessageError` on malformed input."""
+def _seconds_ok(v: float) -> bool:
     try:
-        body = json.loads(bytes(frame))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RelayMessageError(f"relay message is not JSON: {e}") from None
+        return math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _is_id(v: str) -> bool:
+    return len(v) == _ID_LEN and set(v) <= _ID_CHARS
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one header frame; raises `RelayMessageError` on malformed input
+    (including a non-bytes frame, see the module docstring for every bound)."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise RelayMessageError(f"relay frame must be bytes, got {type(frame).__name__}")
+    raw = bytes(frame)
+    if len(raw) > MAX_FRAME:
+        raise RelayMessageError(f"relay message of {len(raw)} bytes exceeds {MAX_FRAME}")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: JSONDecodeError and integer literals past the int-string digit limit;
+        # RecursionError: nesting deeper than the C scanner's recursion limit
+        raise RelayMessageError(f"relay message is not JSON: {e}"[:300]) from None
     if not isinstance(body, dict):
         raise RelayMessageError(f"relay message must be a JSON object, got {type(body).__name__}")
     kind = body.pop("type", None)
     cls = _CLASSES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise RelayMessageError(f"unknown relay message type {kind!r}")
+        raise RelayMessageError(f"unknown relay message type {kind!r:.80}")
     known = {f.name: f for f in fields(cls)}
     extra = sorted(set(body) - set(known))
     if extra:
-        raise RelayMessageError(f"relay {kind} message has unknown fields {extra}")
+        raise RelayMessageError(f"relay {kind} message has unknown fields {extra!r:.200}")
     args: dict[str, Any] = {}
     for name, f in known.items():
         if name not in body:
@@ -159,8 +192,18 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
             continue
         v = body[name]
         if not _CHECKS[str(f.type)](v):
-            raise RelayMessageError(f"relay {kind} message: {name!r} must be {f.type}, got {v!r}")
-        if str(f.type) == "int" and v < 0:
-            raise RelayMessageError(f"relay {kind} message: {name!r} must be >= 0, got {v}")
+            raise RelayMessageError(
+                f"relay {kind} message: {name!r} must be {f.type}, got {v!r:.80}"
+            )
+        if str(f.type) == "int" and not 0 <= v < 1 << 64:
+            raise RelayMessageError(f"relay {kind} message: {name!r} must be in [0, 2**64)")
+        if str(f.type) == "float" and not _seconds_ok(v):
+            raise RelayMessageError(
+                f"relay {kind} message: {name!r} must be in (0, {MAX_TIMEOUT_S}], got {v!r}"
+            )
+        if name in _ID_FIELDS and not all(_is_id(x) for x in ([v] if name == "payload_id" else v)):
+            raise RelayMessageError(
+                f"relay {kind} message: {name!r} must be {_ID_LEN} lowercase hex digits"
+            )
         args[name] = tuple(v) if isinstance(v, list) else v
     return cls(**args)  # type: ignore[no-any-return]
