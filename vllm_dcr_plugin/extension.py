@@ -36,7 +36,7 @@ import torch
 from shared_codec.errors import DCRError, ProtocolError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
 from vllm_dcr_plugin.receiver import Receiver
-from vllm_dcr_plugin.staging import tensor_specs
+from vllm_dcr_plugin.staging import SealedSet, tensor_specs
 
 # Resolving this class is how vLLM tells a worker process that it serves DCR: enable the CPU
 # loader condition before the worker loads its model.
@@ -137,6 +137,33 @@ def _apply_opts(v: Any) -> dict[str, Any] | None:
     if unknown:
         raise ValueError(f"apply takes only 'verify', got {sorted(unknown)}")
     return {"verify": _bool(v.get("verify", False), "apply.verify")}
+
+
+_EXPECT_KEYS = {"version", "base_version", "payload_ids"}
+
+
+def _expect(v: Any, attempt: int) -> SealedSet | None:
+    """The sealed set `dcr_apply` is held to: ``{"version": int, "base_version": int or None,
+    "payload_ids": [hex, ...]}`` (the attempt's manifest), or None. Ids that are not 32 hex
+    digits or are listed twice are a `ProtocolError` (staging.SealedSet.of)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = json.loads(v)
+    if not isinstance(v, dict):
+        raise TypeError(f"expect must be a dict or None, got {type(v).__name__}")
+    if set(v) != _EXPECT_KEYS:
+        raise ValueError(f"expect takes exactly {sorted(_EXPECT_KEYS)}, got {sorted(map(str, v))}")
+    ids = v["payload_ids"]
+    if not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
+        raise TypeError("expect.payload_ids must be a list of hex strings")
+    base = v["base_version"]
+    return SealedSet.of(
+        version=_int(v["version"], "expect.version"),
+        attempt=attempt,
+        base_version=None if base is None else _int(base, "expect.base_version"),
+        payload_ids=ids,
+    )
 
 
 def _payloads(v: Any) -> list[bytes]:
@@ -252,11 +279,16 @@ class DCRWorkerExtension:
         return self._dcr_receiver().fetch(spec, *args, timeout, opts)
 
     @_rpc
-    def dcr_apply(self, attempt: int, verify: bool = False) -> dict[str, Any]:
+    def dcr_apply(
+        self, attempt: int, verify: bool = False, expect: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
-        reports items, elements, bytes, timings and post-apply mismatches (``verify``)."""
+        reports items, elements, bytes, timings and post-apply mismatches (``verify``). With
+        `expect` (the attempt's manifest: ``{"version", "base_version", "payload_ids": [hex,
+        ...]}``) the attempt must hold exactly that payload set, or nothing is applied."""
         with _arguments("dcr_apply"):
-            args = (_int(attempt, "attempt"), _bool(verify, "verify"))
+            a = _int(attempt, "attempt")
+            args = (a, _bool(verify, "verify"), _expect(expect, a))
         return self._dcr_receiver().apply(*args)
 
     @_rpc
