@@ -232,3 +232,81 @@ def test_pipelined_fetch_refuses_payloads_beyond_the_seal(tmp_path: Path) -> Non
     with pytest.raises(ProtocolError, match=f"extra 1: {_ids(rx, payloads[2:])[0]}"):
         rx.fetch(spec, 1, 0, timeout_s=10, apply={"verify": False})
     assert rx.state == "dirty"
+
+
+def test_http_engine_plain_apply_is_held_to_the_manifest(tmp_path: Path) -> None:
+    """`HttpEngine(pipelined=False)` passes the manifest's set to ``dcr_apply``: over a FAKE
+    HTTP server that hands vLLM's ``/collective_rpc`` JSON to a real `DCRWorkerExtension` (fake
+    loader), a payload staged beside the attempt makes the ACK fail naming it, and the weights
+    are unchanged; the sealed set alone applies and is exact."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from shared_codec.coordination.engines import HttpEngine
+    from tests.vllm.test_rpc_contract import _extension
+
+    ext = _extension()
+    assert ext.dcr_prewarm(TABLE, 0)["ok"]
+    rx = ext._dcr_receiver()
+    _dense(rx.model, _versions()[0])  # type: ignore[arg-type]
+    digest0 = rx.digest()["digest"]
+    calls: list[dict] = []
+
+    class Worker(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:  # quiet
+            pass
+
+        def _reply(self, body: dict | None) -> None:
+            raw = json.dumps(body).encode() if body is not None else b""
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:
+            self._reply(None)
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.path != "/collective_rpc":
+                return self._reply(None)
+            req = json.loads(body)
+            calls.append(req)
+            self._reply({"results": [getattr(ext, req["method"])(*req["args"])]})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Worker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        v0, v1 = _versions()
+        items = _items(v0, v1, {"overwrite_only": rx.overwrite_only})
+        payloads = _encode(items)
+        spec = _publish(tmp_path / "store", payloads)
+        engine = HttpEngine(
+            "fake",
+            f"http://127.0.0.1:{server.server_address[1]}",
+            store=spec,
+            checkpoint_for=str,
+            tensors=TABLE,
+            pipelined=False,
+        )
+        extra = _encode(items[1:2], sequence=40)
+        assert rx.stage(extra)["staged"]
+        ack = engine.apply(1, 0, timeout_s=10)
+        assert not ack["ok"] and f"extra 1: {_ids(rx, extra)[0]}" in ack["error"], ack
+        assert rx.digest()["digest"] == digest0
+        rx.abort(0)
+        spec = _publish(tmp_path / "store", _encode(items, attempt=1), attempt=1)
+        ack = engine.apply(1, 1, timeout_s=10)
+        assert ack["ok"], ack
+        expect = calls[-1]["args"][2]
+        assert calls[-1]["method"] == "dcr_apply"
+        assert expect == {
+            "version": 1,
+            "base_version": 0,
+            "payload_ids": _ids(rx, _encode(items, attempt=1)),
+        }
+        _assert_holds(rx.model, v1)  # type: ignore[arg-type]
+    finally:
+        server.shutdown()
+        server.server_close()
