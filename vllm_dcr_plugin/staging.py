@@ -141,52 +141,77 @@ class SealedSet:
 
 
 @dataclass
-class XorLedger:
-    """The destination elements one attempt XORs, per canonical tensor: a list of (payload id,
-    sorted int64 indices) chunks, one per XOR item. XOR is its own inverse, so an element XORed
-    by two payloads of one attempt would end up with old bits; `conflict` finds that before a
-    payload is kept."""
+class _TensorChunks:
+    """One tensor's XOR chunks in a ledger: (payload id, sorted indices) with each chunk's
+    first and last index in growing arrays, so a new chunk is compared only with the chunks
+    whose index range meets its own (a tensor split over many payloads in index order costs one
+    vectorised range test, not a loop over every earlier payload)."""
 
-    chunks: dict[str, list[tuple[bytes, np.ndarray]]] = field(default_factory=dict)
+    pids: list[bytes] = field(default_factory=list)
+    indices: list[np.ndarray] = field(default_factory=list)
+    lo: np.ndarray = field(default_factory=lambda: np.empty(8, np.int64))
+    hi: np.ndarray = field(default_factory=lambda: np.empty(8, np.int64))
+
+    def append(self, pid: bytes, idx: np.ndarray) -> None:
+        n = len(self.pids)
+        if n == self.lo.size:
+            self.lo, self.hi = np.resize(self.lo, 2 * n), np.resize(self.hi, 2 * n)
+        self.lo[n], self.hi[n] = idx[0], idx[-1]
+        self.pids.append(pid)
+        self.indices.append(idx)
+
+    def overlap(self, idx: np.ndarray) -> tuple[bytes, int] | None:
+        """(payload id, element) of a chunk sharing an element with `idx`, or None."""
+        n = len(self.pids)
+        near = np.flatnonzero((self.hi[:n] >= idx[0]) & (self.lo[:n] <= idx[-1]))
+        for k in near.tolist():
+            hit = _overlap(self.indices[k], idx)
+            if hit is not None:
+                return self.pids[k], hit
+        return None
+
+
+@dataclass
+class XorLedger:
+    """The destination elements one attempt XORs, per canonical tensor: (payload id, sorted
+    int64 indices) chunks, one per XOR item. XOR is its own inverse, so an element XORed by two
+    payloads of one attempt would end up with old bits; `conflict` finds that before a payload
+    is kept. Memory: the indices (8 bytes per XOR element) plus 16 bytes per chunk."""
+
+    chunks: dict[str, _TensorChunks] = field(default_factory=dict)
 
     def conflict(self, payload: Payload) -> str | None:
-        """Why `payload`'s XOR items cannot join this attempt (naming the tensor and both
-        payload ids), or None. Checks against every chunk and among the payload's own items."""
+        """Why `payload`'s XOR items cannot join this attempt (naming the tensor, the element
+        and both payload ids), or None. Checks against every chunk of the attempt and among
+        the payload's own items."""
         pid = payload.header.payload_id
-        mine: dict[str, list[np.ndarray]] = {}
+        mine: dict[str, _TensorChunks] = {}
         for item in payload.items:
             if item.kind != Kind.XOR or not item.count:
                 continue
-            idx = item.indices
-            for other_pid, other in [
-                *self.chunks.get(item.name, []),
-                *[(pid, a) for a in mine.get(item.name, [])],
-            ]:
-                hit = _overlap(other, idx)
-                if hit is not None:
-                    who = (
-                        "another of its own items"
-                        if other_pid == pid
-                        else f"payload {other_pid.hex()}"
-                    )
+            for chunks in (self.chunks.get(item.name), mine.get(item.name)):
+                found = chunks.overlap(item.indices) if chunks is not None else None
+                if found is not None:
+                    other, element = found
+                    who = "another of its own items" if other == pid else f"payload {other.hex()}"
                     return (
                         f"payload {pid.hex()}: XOR item for {item.name} addresses element "
-                        f"{hit} that {who} already XORs in attempt {payload.header.meta.attempt}"
-                        " (the same change under another id: applying both would restore the "
-                        "old bits)"
+                        f"{element} that {who} already XORs in attempt "
+                        f"{payload.header.meta.attempt} (the same change under another id: "
+                        "applying both would restore the old bits)"
                     )
-            mine.setdefault(item.name, []).append(idx)
+            mine.setdefault(item.name, _TensorChunks()).append(pid, item.indices)
         return None
 
     def add(self, payload: Payload) -> None:
         pid = payload.header.payload_id
         for item in payload.items:
             if item.kind == Kind.XOR and item.count:
-                self.chunks.setdefault(item.name, []).append((pid, item.indices))
+                self.chunks.setdefault(item.name, _TensorChunks()).append(pid, item.indices)
 
     @property
     def elements(self) -> int:
-        return sum(int(a.size) for per in self.chunks.values() for _, a in per)
+        return sum(int(a.size) for c in self.chunks.values() for a in c.indices)
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> int | None:
