@@ -47,13 +47,17 @@ class DCRClient:
             raise DCRError(f"{len(rejected)} payload rejection(s): {rejected[0]['reason']}")
         return replies
 
-    def apply(self, attempt: int, verify: bool = False) -> list[dict[str, Any]]:
+    def apply(
+        self, attempt: int, verify: bool = False, expect: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
         """Apply the attempt on every rank, then invalidate the prefix cache (always, since a
-        failed apply leaves partially written weights too). Raises if any ACK is not ok."""
+        failed apply leaves partially written weights too). Raises if any ACK is not ok.
+        `expect`: the attempt's sealed set (``dcr_apply``'s, docs/protocol.md)."""
+        kwargs: dict[str, Any] = {"verify": verify}
+        if expect is not None:
+            kwargs["expect"] = expect
         try:
-            acks = self.engine.collective_rpc(
-                "dcr_apply", args=(attempt,), kwargs={"verify": verify}
-            )
+            acks = self.engine.collective_rpc("dcr_apply", args=(attempt,), kwargs=kwargs)
         finally:
             self.engine.reset_prefix_cache()
         bad = [a for a in acks if not a.get("ok")]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,7 +42,7 @@ from vllm_dcr_plugin.arguments import integer as _int
 from vllm_dcr_plugin.arguments import payloads as _payloads
 from vllm_dcr_plugin.arguments import seconds as _seconds
 from vllm_dcr_plugin.arguments import store_spec as _store_spec
-from vllm_dcr_plugin.staging import tensor_specs
+from vllm_dcr_plugin.staging import SealedSet, tensor_specs
 
 if TYPE_CHECKING:
     from vllm_dcr_plugin.receiver import Receiver
@@ -78,6 +79,33 @@ def _rpc(fn: F) -> F:
         return out
 
     return wrapper  # type: ignore[return-value]
+
+
+_EXPECT_KEYS = {"version", "base_version", "payload_ids"}
+
+
+def _expect(v: Any, attempt: int) -> SealedSet | None:
+    """The sealed set `dcr_apply` is held to: ``{"version": int, "base_version": int or None,
+    "payload_ids": [hex, ...]}`` (the attempt's manifest), or None. Ids that are not 32 hex
+    digits or are listed twice are a `ProtocolError` (staging.SealedSet.of)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = json.loads(v)
+    if not isinstance(v, dict):
+        raise TypeError(f"expect must be a dict or None, got {type(v).__name__}")
+    if set(v) != _EXPECT_KEYS:
+        raise ValueError(f"expect takes exactly {sorted(_EXPECT_KEYS)}, got {sorted(map(str, v))}")
+    ids = v["payload_ids"]
+    if not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
+        raise TypeError("expect.payload_ids must be a list of hex strings")
+    base = v["base_version"]
+    return SealedSet.of(
+        version=_int(v["version"], "expect.version"),
+        attempt=attempt,
+        base_version=None if base is None else _int(base, "expect.base_version"),
+        payload_ids=ids,
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -133,11 +161,16 @@ class DCRWorkerExtension:
         return self._dcr_receiver().fetch(spec, *args, timeout, opts)
 
     @_rpc
-    def dcr_apply(self, attempt: int, verify: bool = False) -> dict[str, Any]:
+    def dcr_apply(
+        self, attempt: int, verify: bool = False, expect: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place through ``load_weights``; the ACK
-        reports items, elements, bytes, timings and post-apply mismatches (``verify``)."""
+        reports items, elements, bytes, timings and post-apply mismatches (``verify``). With
+        `expect` (the attempt's manifest: ``{"version", "base_version", "payload_ids": [hex,
+        ...]}``) the attempt must hold exactly that payload set, or nothing is applied."""
         with _arguments("dcr_apply"):
-            args = (_int(attempt, "attempt"), _bool(verify, "verify"))
+            a = _int(attempt, "attempt")
+            args = (a, _bool(verify, "verify"), _expect(expect, a))
         return self._dcr_receiver().apply(*args)
 
     @_rpc

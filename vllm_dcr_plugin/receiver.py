@@ -33,8 +33,14 @@ from vllm_dcr_plugin.ack import Ack, Tally
 from vllm_dcr_plugin.apply import apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
-from vllm_dcr_plugin.sources import attempt_source
-from vllm_dcr_plugin.staging import StagingArea, TensorSpec, key_from_env, tensor_specs
+from vllm_dcr_plugin.sources import attempt_payloads, payload_source, sealed_set
+from vllm_dcr_plugin.staging import (
+    SealedSet,
+    StagingArea,
+    TensorSpec,
+    key_from_env,
+    tensor_specs,
+)
 from vllm_dcr_plugin.state import Event, ReceiverState, advance, check_apply
 
 _S = ReceiverState
@@ -134,20 +140,24 @@ class Receiver:
         """Fetch and stage every payload of the attempt from a store or a relay node's spool
         (sources.py); returns counts and staging results. A rejected payload fails the fetch
         (nothing of it is applied); with `overwrite_only` an XOR item is such a rejection.
+        The set the attempt's seal names is recorded (`StagingArea.seal`): the attempt must
+        hold exactly that set (a missing or an extra payload fails the fetch with
+        `ProtocolError`, nothing applied), and a later `apply` of the attempt is held to it.
 
         Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
         and each is applied as soon as it is staged, so payload l is applied while l + 1 is
         still built or in flight; the result then carries the attempt's merged ACK under
         ``"ack"`` (as `apply` returns it) and the receiver is ``applied`` (``dirty`` after a
-        failure). A fetch error after part of the attempt was applied leaves it ``dirty``."""
+        failure). A fetch error after part of the attempt was applied leaves it ``dirty``, as
+        does a final set that is not the sealed set (checked before the closing apply)."""
         self._require_prewarm()
         t0 = time.perf_counter()
         spec = json.loads(store_spec) if isinstance(store_spec, str) else dict(store_spec)
         version, attempt, pipelined = int(version), int(attempt), apply is not None
-        key = self.staging.key
-        source = attempt_source(
-            spec, version, attempt, float(timeout_s), key=key, streaming=pipelined
-        )
+        source = payload_source(spec, key=self.staging.key)
+        # not pipelined: the seal first, so the set to apply is known before anything is staged
+        sealed = None if pipelined else sealed_set(source, version, attempt, float(timeout_s))
+        payloads = attempt_payloads(source, version, attempt, float(timeout_s), streaming=pipelined)
         armed = faults.take(self._rank, "pipelined" if pipelined else "fetch")
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
         acks: list[Ack] = []
@@ -158,7 +168,7 @@ class Receiver:
             acks.append(self._metered(attempt, verify, left, final=final))
 
         try:
-            for payload in source:
+            for payload in payloads:
                 if armed.kill_after_payloads is not None:
                     if out["payloads"] >= armed.kill_after_payloads:
                         faults.kill_self()
@@ -173,13 +183,19 @@ class Receiver:
                     part(final=False)
                     if not acks[-1].ok:
                         break
+            out["fetch_seconds"] = time.perf_counter() - t0
+            if sealed is None and (not acks or acks[-1].ok):  # the stream ended at the seal
+                sealed = sealed_set(source, version, attempt, float(timeout_s))
+            if sealed is not None:
+                self.staging.seal(sealed)
+                if not pipelined:
+                    self.staging.take(attempt)  # exactly the sealed set, or ProtocolError
+            if pipelined and (not acks or acks[-1].ok):
+                part(final=True)
         except BaseException:
             if self.state == _S.APPLYING:  # part of the attempt is in the weights
                 self.state = advance(self.state, Event.FAILED)
             raise
-        out["fetch_seconds"] = time.perf_counter() - t0
-        if pipelined and (not acks or acks[-1].ok):
-            part(final=True)
         out["seconds"] = time.perf_counter() - t0
         out["rank"] = self.rank.get("rank", 0)
         self.metrics.fetch_seconds.observe(out["seconds"])
@@ -187,32 +203,56 @@ class Receiver:
             out["ack"] = Ack.merge(acks).to_dict()
         return out
 
-    def apply(self, attempt: int, verify: bool = False) -> dict[str, Any]:
+    def apply(
+        self, attempt: int, verify: bool = False, expect: SealedSet | None = None
+    ) -> dict[str, Any]:
         """Apply every staged payload of `attempt` in place (apply.py); returns the ACK (a
         plain dict, ack.py). Refused with `ProtocolError` before any write when prewarm is
         missing, the gate is closed, the attempt was aborted, payloads mix target versions, an
-        applied version awaits commit, or XOR items arrive while the weights are not exactly
-        the committed version. A failure part-way leaves the receiver ``dirty``."""
+        applied version awaits commit, XOR items arrive while the weights are not exactly
+        the committed version, or the attempt does not hold exactly its sealed set (`expect`,
+        and the seal a fetch recorded: ids, count, version and base version; staging.py). A
+        failure part-way leaves the receiver ``dirty``."""
         armed = faults.take(self._rank, "apply")
-        return self._metered(int(attempt), bool(verify), armed, final=True).to_dict()
+        return self._metered(int(attempt), bool(verify), armed, final=True, expect=expect).to_dict()
 
-    def _metered(self, attempt: int, verify: bool, armed: faults.Faults, final: bool) -> Ack:
+    def _metered(
+        self,
+        attempt: int,
+        verify: bool,
+        armed: faults.Faults,
+        final: bool,
+        expect: SealedSet | None = None,
+    ) -> Ack:
         t0 = time.perf_counter()
-        ack = self._apply(attempt, verify, armed, final)
+        ack = self._apply(attempt, verify, armed, final, expect)
         self.metrics.applied(ack.to_dict(), time.perf_counter() - t0)
         self.last_ack = ack
         return ack
 
-    def _apply(self, attempt: int, verify: bool, armed: faults.Faults, final: bool) -> Ack:
+    def _apply(
+        self,
+        attempt: int,
+        verify: bool,
+        armed: faults.Faults,
+        final: bool,
+        expect: SealedSet | None = None,
+    ) -> Ack:
         """See `apply`. ``final=False`` (pipelined fetch): more payloads of the attempt may
-        follow; the receiver is then ``applying`` instead of ``applied``."""
+        follow; the receiver is then ``applying`` instead of ``applied`` (a recorded seal then
+        refuses only payloads beyond it)."""
         scratch = self._require_prewarm()
         gate = self.gate()
         if gate:
             raise ProtocolError(f"request gate closed for apply: {gate}")
         if attempt in self.staging.fenced:
             raise ProtocolError(f"attempt {attempt} was aborted; start a new attempt")
-        staged = self.staging.take(attempt)
+        if expect is not None and expect.base_version not in (None, self.committed_version):
+            raise ProtocolError(
+                f"attempt {attempt} is sealed on base version {expect.base_version}; this "
+                f"receiver's committed version is {self.committed_version}"
+            )
+        staged = self.staging.take(attempt, expect, complete=final)
         targets = {p.header.meta.version for p in staged}
         if len(targets) > 1:
             raise ProtocolError(f"attempt {attempt} mixes target versions {sorted(targets)}")

@@ -1,12 +1,13 @@
 """Where a rank's payloads of one attempt come from: an object store or a relay node's spool.
 
-Contract: `attempt_source(spec, version, attempt, timeout_s, key=..., streaming=...)` returns an
-iterable of payload bytes for the attempt, read through the transport seam's payload source
-(`shared_codec.transport.open_source`: ``dir``, ``s3`` or a relay node's ``spool``). Not
-streaming: every payload of the attempt's seal (manifest, or the node's manifest notice), waiting
-up to `timeout_s` for it. Streaming (pipelined fetch): payloads as their objects or spool files
-appear, before the seal, read by a background thread (`prefetched`) so the transport's waits
-overlap the caller's applies.
+Contract: `payload_source(spec, key=...)` opens the transport seam's payload source
+(`shared_codec.transport.open_source`: ``dir``, ``s3`` or a relay node's ``spool``);
+`attempt_payloads(source, version, attempt, timeout_s, streaming=...)` returns an iterable of
+payload bytes for the attempt. Not streaming: every payload of the attempt's seal (manifest, or
+the node's manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch):
+payloads as their objects or spool files appear, before the seal, read by a background thread
+(`prefetched`) so the transport's waits overlap the caller's applies. `sealed_set(source, ...)`
+is the set the seal names, as staging's `SealedSet` (the receiver applies exactly that set).
 
 A spec that `open_source` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
 validates specs before that (extension.py).
@@ -17,27 +18,45 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_codec.errors import ProtocolError
+from vllm_dcr_plugin.staging import SealedSet
+
+if TYPE_CHECKING:
+    from shared_codec.transport.seam import PayloadSource
 
 
-def attempt_source(
-    spec: dict[str, Any],
+def payload_source(spec: dict[str, Any], *, key: bytes | None) -> PayloadSource:
+    """The seam's source for `spec`; `ProtocolError` for a spec it refuses (nothing fetched)."""
+    from shared_codec.transport.seam import open_source
+
+    try:
+        return open_source(spec, key=key)
+    except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
+        raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
+
+
+def sealed_set(source: PayloadSource, version: int, attempt: int, timeout_s: float) -> SealedSet:
+    """What the attempt's seal names (waits for it up to `timeout_s`), as a `SealedSet`."""
+    s = source.sealed(version, attempt, timeout_s)
+    return SealedSet.of(
+        version=s.version,
+        attempt=s.attempt,
+        base_version=s.base_version,
+        payload_ids=s.payload_ids,
+    )
+
+
+def attempt_payloads(
+    source: PayloadSource,
     version: int,
     attempt: int,
     timeout_s: float,
     *,
-    key: bytes | None,
     streaming: bool,
 ) -> Iterable[bytes]:
-    """The payloads of (`version`, `attempt`) from `spec` (see the module docstring)."""
-    from shared_codec.transport.seam import open_source
-
-    try:
-        source = open_source(spec, key=key)
-    except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
-        raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
+    """The payloads of (`version`, `attempt`) from `source` (see the module docstring)."""
     if streaming:  # in a thread: the link's (or the spool's) waits overlap applies
         return prefetched(
             lambda stop: source.stream(version, attempt, timeout_s, cancelled=stop.is_set)

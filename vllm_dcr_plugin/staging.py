@@ -11,6 +11,17 @@ fixed multiple of the destination tensors' sizes (docs/format.md, "Decoder bound
 payload is not kept and changes nothing; a payload whose id was already staged or applied in the
 current transition is reported as a duplicate and dropped (XOR twice would restore old bits).
 
+Exactly once: dedupe by payload id does not catch the same changes re-encoded under another
+sequence number (another id), so staging also keeps a per-attempt XOR ledger (`XorLedger`: the
+sorted canonical destination indices of every XOR item staged or applied in the attempt, 8
+bytes per XOR element) and rejects, at stage time and before any write, a payload whose XOR
+items address an element that another payload of the attempt (or another item of the same
+payload) already XORs. And `take(attempt, expect=...)` refuses (`ProtocolError`, nothing
+written) unless the attempt's staged and applied payloads are exactly the sealed set the
+attempt's manifest names (`SealedSet`: ids and count, bound to version, attempt and base
+version): a missing or an extra payload is named. The set a fetch read from the seal is
+remembered per attempt (`seal`) so a later `dcr_apply` is held to it too.
+
 Decoded records are kept next to the compressed bytes while their total raw size stays within
 `keep_decoded_bytes` (default 256 MiB), so apply does not decode twice; beyond that budget only
 the compressed bytes are kept and apply decodes again (staging memory = compressed size).
@@ -23,13 +34,17 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import PayloadError, ProtocolError
 from shared_codec.format import (
     DEFAULT_MAX_BODY,
+    ID_SIZE,
     MAX_KEY_SIZE,
     Payload,
     PayloadHeader,
@@ -93,6 +108,141 @@ def _dim(s: Any) -> int:
     return int(n)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SealedSet:
+    """The payload set an attempt's seal (manifest) names: exactly these payloads, and no
+    others, may be applied for (`version`, `attempt`). `base_version` is None where the seal
+    does not carry it (a relay spool's manifest notice); every staged payload is still checked
+    against the committed version. Build it with `SealedSet.of` (validates the listing)."""
+
+    version: int
+    attempt: int
+    base_version: int | None
+    payload_ids: frozenset[bytes]
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        version: int,
+        attempt: int,
+        base_version: int | None,
+        payload_ids: Iterable[str | bytes],
+    ) -> SealedSet:
+        """`ProtocolError` for a listing that names an id twice (the count would disagree
+        with the set) or an id that is not 32 hex digits."""
+        ids: list[bytes] = []
+        for pid in payload_ids:
+            try:
+                raw = bytes.fromhex(pid) if isinstance(pid, str) else bytes(pid)
+            except (TypeError, ValueError):
+                raise ProtocolError(f"sealed payload id {pid!r:.80} is not hex") from None
+            if len(raw) != ID_SIZE:
+                raise ProtocolError(f"sealed payload id {pid!r:.80} is not {ID_SIZE} bytes")
+            ids.append(raw)
+        if len(set(ids)) != len(ids):
+            twice = sorted({i.hex() for i in ids if ids.count(i) > 1})
+            raise ProtocolError(
+                f"version {version} attempt {attempt}: the seal lists {len(ids)} payloads but "
+                f"only {len(set(ids))} distinct ids (listed twice: {', '.join(twice[:4])})"
+            )
+        return cls(
+            version=int(version),
+            attempt=int(attempt),
+            base_version=None if base_version is None else int(base_version),
+            payload_ids=frozenset(ids),
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.payload_ids)
+
+
+@dataclass
+class _TensorChunks:
+    """One tensor's XOR chunks in a ledger: (payload id, sorted indices) with each chunk's
+    first and last index in growing arrays, so a new chunk is compared only with the chunks
+    whose index range meets its own (a tensor split over many payloads in index order costs one
+    vectorised range test, not a loop over every earlier payload)."""
+
+    pids: list[bytes] = field(default_factory=list)
+    indices: list[np.ndarray] = field(default_factory=list)
+    lo: np.ndarray = field(default_factory=lambda: np.empty(8, np.int64))
+    hi: np.ndarray = field(default_factory=lambda: np.empty(8, np.int64))
+
+    def append(self, pid: bytes, idx: np.ndarray) -> None:
+        n = len(self.pids)
+        if n == self.lo.size:
+            self.lo, self.hi = np.resize(self.lo, 2 * n), np.resize(self.hi, 2 * n)
+        self.lo[n], self.hi[n] = idx[0], idx[-1]
+        self.pids.append(pid)
+        self.indices.append(idx)
+
+    def overlap(self, idx: np.ndarray) -> tuple[bytes, int] | None:
+        """(payload id, element) of a chunk sharing an element with `idx`, or None."""
+        n = len(self.pids)
+        near = np.flatnonzero((self.hi[:n] >= idx[0]) & (self.lo[:n] <= idx[-1]))
+        for k in near.tolist():
+            hit = _overlap(self.indices[k], idx)
+            if hit is not None:
+                return self.pids[k], hit
+        return None
+
+
+@dataclass
+class XorLedger:
+    """The destination elements one attempt XORs, per canonical tensor: (payload id, sorted
+    int64 indices) chunks, one per XOR item. XOR is its own inverse, so an element XORed by two
+    payloads of one attempt would end up with old bits; `conflict` finds that before a payload
+    is kept. Memory: the indices (8 bytes per XOR element) plus 16 bytes per chunk."""
+
+    chunks: dict[str, _TensorChunks] = field(default_factory=dict)
+
+    def conflict(self, payload: Payload) -> str | None:
+        """Why `payload`'s XOR items cannot join this attempt (naming the tensor, the element
+        and both payload ids), or None. Checks against every chunk of the attempt and among
+        the payload's own items."""
+        pid = payload.header.payload_id
+        mine: dict[str, _TensorChunks] = {}
+        for item in payload.items:
+            if item.kind != Kind.XOR or not item.count:
+                continue
+            for chunks in (self.chunks.get(item.name), mine.get(item.name)):
+                found = chunks.overlap(item.indices) if chunks is not None else None
+                if found is not None:
+                    other, element = found
+                    who = "another of its own items" if other == pid else f"payload {other.hex()}"
+                    return (
+                        f"payload {pid.hex()}: XOR item for {item.name} addresses element "
+                        f"{element} that {who} already XORs in attempt "
+                        f"{payload.header.meta.attempt} (the same change under another id: "
+                        "applying both would restore the old bits)"
+                    )
+            mine.setdefault(item.name, _TensorChunks()).append(pid, item.indices)
+        return None
+
+    def add(self, payload: Payload) -> None:
+        pid = payload.header.payload_id
+        for item in payload.items:
+            if item.kind == Kind.XOR and item.count:
+                self.chunks.setdefault(item.name, _TensorChunks()).append(pid, item.indices)
+
+    @property
+    def elements(self) -> int:
+        return sum(int(a.size) for c in self.chunks.values() for a in c.indices)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> int | None:
+    """An element of both strictly increasing index arrays, or None (O(min log max))."""
+    if not a.size or not b.size or a[-1] < b[0] or b[-1] < a[0]:
+        return None
+    small, big = (a, b) if a.size <= b.size else (b, a)
+    pos = np.searchsorted(big, small)
+    pos[pos == big.size] = big.size - 1
+    hit = np.flatnonzero(big[pos] == small)
+    return int(small[hit[0]]) if hit.size else None
+
+
 @dataclass
 class StagedPayload:
     header: PayloadHeader
@@ -110,6 +260,9 @@ class StagingArea:
     staged: dict[int, dict[bytes, StagedPayload]] = field(default_factory=dict)
     applied_ids: set[bytes] = field(default_factory=set)
     fenced: set[int] = field(default_factory=set)
+    applied: dict[int, set[bytes]] = field(default_factory=dict)  # per attempt
+    ledgers: dict[int, XorLedger] = field(default_factory=dict)  # per attempt
+    sealed: dict[int, SealedSet] = field(default_factory=dict)  # per attempt, from a fetch
 
     decoded_bytes: int = 0  # raw bytes of the decoded records currently kept
 
@@ -157,6 +310,12 @@ class StagingArea:
             if h.payload_id in per or h.payload_id in self.applied_ids:
                 out["duplicates"].append(pid)
                 continue
+            ledger = self.ledgers.setdefault(h.meta.attempt, XorLedger())
+            reason = ledger.conflict(payload)
+            if reason:
+                out["rejected"].append({"index": i, "payload_id": pid, "reason": reason})
+                continue
+            ledger.add(payload)
             keep = self.decoded_bytes + h.body_raw_len <= self.keep_decoded_bytes
             if keep:
                 self.decoded_bytes += h.body_raw_len
@@ -198,10 +357,68 @@ class StagingArea:
                 return f"payload {pid}: XOR item for {e.name}, whose loader path needs overwrites"
         return None
 
-    def take(self, attempt: int) -> list[StagedPayload]:
-        """The staged payloads of `attempt` in (owner, sequence) order (still held)."""
+    def seal(self, sealed: SealedSet) -> None:
+        """Remember the set the attempt's seal names (a fetch read it): `take` then holds the
+        attempt to it. `ProtocolError` when a different set was recorded for the attempt."""
+        known = self.sealed.get(sealed.attempt)
+        if known is not None and known != sealed:
+            raise ProtocolError(
+                f"attempt {sealed.attempt}: the seal now names {sealed.count} payloads "
+                f"(version {sealed.version}), {known.count} were recorded (version "
+                f"{known.version}): two different manifests for one attempt"
+            )
+        self.sealed[sealed.attempt] = sealed
+
+    def take(
+        self, attempt: int, expect: SealedSet | None = None, *, complete: bool = True
+    ) -> list[StagedPayload]:
+        """The staged payloads of `attempt` in (owner, sequence) order (still held).
+
+        With `expect` (or a set recorded by `seal`; both must agree), the attempt's staged and
+        already applied payloads must be exactly the sealed set, every one for its version and
+        base version: otherwise `ProtocolError` naming the missing and extra ids, nothing taken
+        or changed. ``complete=False`` (a part of a pipelined attempt, more may follow): only
+        payloads beyond the sealed set are refused."""
         per = self.staged.get(attempt, {})
-        return sorted(per.values(), key=lambda p: (p.header.meta.owner, p.header.meta.sequence))
+        out = sorted(per.values(), key=lambda p: (p.header.meta.owner, p.header.meta.sequence))
+        known = self.sealed.get(attempt)
+        if expect is not None and known is not None and expect != known:
+            raise ProtocolError(
+                f"attempt {attempt}: the expected set ({expect.count} payloads, version "
+                f"{expect.version}, base {expect.base_version}) differs from the seal the fetch "
+                f"read ({known.count} payloads, version {known.version}, base "
+                f"{known.base_version})"
+            )
+        expect = expect or known
+        if expect is None:
+            return out
+        if expect.attempt != attempt:
+            raise ProtocolError(f"expected set is for attempt {expect.attempt}, not {attempt}")
+        have = set(per) | self.applied.get(attempt, set())
+        missing = sorted(i.hex() for i in expect.payload_ids - have) if complete else []
+        extra = sorted(i.hex() for i in have - expect.payload_ids)
+        if missing or extra:
+            raise ProtocolError(
+                f"attempt {attempt} does not hold exactly its sealed set of {expect.count} "
+                f"payloads (version {expect.version}): "
+                + "; ".join(
+                    f"{what} {len(ids)}: {', '.join(ids[:8])}{' ...' if len(ids) > 8 else ''}"
+                    for what, ids in (("missing", missing), ("extra", extra))
+                    if ids
+                )
+                + "; nothing was applied"
+            )
+        for p in out:
+            m = p.header.meta
+            if m.version != expect.version or (
+                expect.base_version is not None and m.base_version != expect.base_version
+            ):
+                raise ProtocolError(
+                    f"payload {p.header.payload_id_hex} is version {m.version} on base "
+                    f"{m.base_version}; the sealed set is version {expect.version} on base "
+                    f"{expect.base_version}"
+                )
+        return out
 
     def _drop(self, sp: StagedPayload | None) -> None:
         if sp is not None and sp.decoded is not None:
@@ -209,11 +426,14 @@ class StagingArea:
 
     def mark_applied(self, attempt: int, payload_id: bytes) -> None:
         self.applied_ids.add(payload_id)
+        self.applied.setdefault(attempt, set()).add(payload_id)
         self._drop(self.staged.get(attempt, {}).pop(payload_id, None))
 
     def fence(self, attempt: int) -> int:
         """Abort `attempt`: drop its staged payloads and refuse its late ones. Returns dropped."""
         self.fenced.add(attempt)
+        self.ledgers.pop(attempt, None)
+        self.sealed.pop(attempt, None)
         dropped = self.staged.pop(attempt, {})
         for sp in dropped.values():
             self._drop(sp)
@@ -224,4 +444,7 @@ class StagingArea:
         self.staged.clear()
         self.applied_ids.clear()
         self.fenced.clear()
+        self.applied.clear()
+        self.ledgers.clear()
+        self.sealed.clear()
         self.decoded_bytes = 0

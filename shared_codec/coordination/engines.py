@@ -37,7 +37,9 @@ class HttpEngine:
     canonical tensor table for ``dcr_prewarm`` (``[[name, dtype, shape], ...]``); `launcher`:
     starts a replacement engine and returns its base URL. `pipelined` (default): `apply` is one
     pipelined ``dcr_fetch`` (each payload applied as it arrives; the coordinator starts it while
-    the owners build); ``False``: fetch everything, then ``dcr_apply``. Recovery tests arm
+    the owners build); ``False``: fetch everything, then ``dcr_apply`` with the attempt's
+    sealed set as ``expect`` when this process can read the seal (object stores; a relay
+    spool is on the rollout node, whose fetch records the seal itself). Recovery tests arm
     faults in the engine's environment instead (``DCR_FAULT_PLAN``, vllm_dcr_plugin.faults).
     """
 
@@ -143,11 +145,16 @@ class HttpEngine:
                 acks = [f["ack"] for f in fetched]
                 t1 = t0 + max(float(f.get("fetch_seconds", 0.0)) for f in fetched)
             else:
+                try:
+                    expect = self._sealed(version, attempt, timeout_s)
+                except DCRError as e:  # the manifest the engines fetched is unreadable here
+                    self.last = {"ok": False, "error": f"seal unreadable: {e}", "ranks": []}
+                    return self.last
                 acks = self._post(
                     "/collective_rpc",
                     {
                         "method": "dcr_apply",
-                        "args": [attempt, self.verify],
+                        "args": [attempt, self.verify, expect],
                         "timeout": timeout_s,
                     },
                     timeout_s + 30,
@@ -169,6 +176,22 @@ class HttpEngine:
         }
         self.last = merged
         return merged
+
+    def _sealed(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any] | None:
+        """``dcr_apply``'s `expect`: the set the attempt's manifest names (docs/protocol.md,
+        "Exactly once"), read from an object store; None for a relay spool (not readable here:
+        the engines' fetch recorded the node's manifest notice)."""
+        spec = json.loads(self.store)
+        if spec.get("kind") not in ("dir", "s3"):
+            return None
+        from shared_codec.transport.seam import open_source
+
+        sealed = open_source(spec).sealed(version, attempt, timeout_s)
+        return {
+            "version": sealed.version,
+            "base_version": sealed.base_version,
+            "payload_ids": list(sealed.payload_ids),
+        }
 
     def commit(self, version: int) -> None:
         self.rpc("dcr_commit", version)

@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from shared_codec.errors import PayloadError
 from shared_codec.format import peek_header
-from shared_codec.transport.seam import Seal, SinkReport
+from shared_codec.transport.seam import Seal, SealedAttempt, SinkReport
 from shared_codec.transport.store import ObjectStore, TransportError
 
 
@@ -299,6 +299,17 @@ class ObjectFetcher:
                 f"{type(err).__name__}: {err}"
             ) from None
         return entries
+
+    def sealed(self, version: int, attempt: int, timeout_s: float = 60.0) -> SealedAttempt:
+        """The payload ids the manifest's owner lists name and its base version (waits for
+        the manifest)."""
+        m = self.manifest(version, attempt, timeout_s)
+        return SealedAttempt(
+            version=version,
+            attempt=attempt,
+            base_version=int(m["base_version"]),
+            payload_ids=tuple(e["payload_id"] for e in self._listed(version, attempt, m)),
+        )
 
     def fetch(self, version: int, attempt: int, timeout_s: float = 60.0) -> Iterator[bytes]:
         """Yield every payload listed by the manifest, in (owner, sequence) order."""

@@ -17,7 +17,9 @@ Who calls what, per attempt (version v, attempt a):
    every payload after the seal (waiting for it); ``source.stream(v, a, cancelled=...)`` yields
    payloads as they arrive, before the seal, and ends at the seal; both raise TransportError
    when the attempt was abandoned, when a payload is missing or not listed by the seal, or at
-   their timeout.
+   their timeout. ``source.sealed(v, a)`` returns what the seal names (`SealedAttempt`: the
+   payload ids, and the base version where the transport's seal carries it), waiting for it:
+   receivers apply exactly that set (docs/protocol.md, "Exactly once").
 
 Spec (a dict, or its JSON text), by ``"kind"``:
 
@@ -34,6 +36,8 @@ Limitations:
 1. A relay sink opens its own connection to the root (one per sink); sinks are per attempt.
 2. `fetch` of a spool reads the node's local copy: the tree's completion acknowledgement
    (the relay seal) is what says every node has it, and the spool's manifest notice follows it.
+3. A relay tree's manifest does not carry the base version: `sealed` of a spool returns
+   ``base_version=None`` (receivers still check every payload's base version when staging).
 """
 
 from __future__ import annotations
@@ -62,6 +66,18 @@ class Seal:
 
     base_version: int
     owners: tuple[int, ...]
+    payload_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SealedAttempt:
+    """What a source read from an attempt's seal: every payload id it names, in listing order
+    (duplicates kept, so a receiver can compare the count), and the base version (None where
+    the transport's seal does not carry it: a relay spool)."""
+
+    version: int
+    attempt: int
+    base_version: int | None
     payload_ids: tuple[str, ...]
 
 
@@ -111,6 +127,11 @@ class PayloadSource(Protocol):
     ) -> Iterator[bytes]:
         """Payloads as they arrive, each once, until the seal (checked against what was
         yielded); `cancelled()` true ends it quietly at the next poll."""
+        ...
+
+    def sealed(self, version: int, attempt: int, timeout_s: float = 60.0) -> SealedAttempt:
+        """What the attempt's seal names (waits for the seal up to `timeout_s`; raises
+        TransportError when the attempt was abandoned or at the timeout)."""
         ...
 
 

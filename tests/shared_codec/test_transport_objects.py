@@ -283,6 +283,10 @@ def test_sink_and_source_seam(kind, tmp_path, moto_endpoint) -> None:
     got.extend(stream)
     assert sorted(got) == sorted(mine[0] + mine[1])  # each exactly once
     assert list(source.fetch(8, 0, timeout_s=5)) == mine[0] + mine[1]
+    # what the seal names, for receivers that apply exactly that set
+    sealed = source.sealed(8, 0, timeout_s=5)
+    assert (sealed.version, sealed.attempt, sealed.base_version) == (8, 0, 7)
+    assert sealed.payload_ids == ids
     for s in sinks.values():
         s.close()
 
@@ -293,6 +297,8 @@ def test_sink_and_source_seam(kind, tmp_path, moto_endpoint) -> None:
     for it in (source.fetch(9, 0, timeout_s=10), source.stream(9, 0, timeout_s=10)):
         with pytest.raises(TransportError, match="abandoned by the coordinator: owners failed"):
             list(it)
+    with pytest.raises(TransportError, match="abandoned by the coordinator"):
+        source.sealed(9, 0, timeout_s=10)
     assert list(source.stream(10, 0, timeout_s=10, cancelled=lambda: True)) == []
 
 

@@ -382,6 +382,9 @@ def test_relay_sink_and_spool_source_seam(tmp_path: Path) -> None:
             assert list(open_source({"kind": "spool", "root": str(d)}).fetch(1, 0)) == (
                 mine[0] + mine[1]
             )
+        sealed = leaf.sealed(1, 0, timeout_s=5)  # a relay manifest carries no base version
+        assert (sealed.version, sealed.attempt, sealed.base_version) == (1, 0, None)
+        assert sealed.payload_ids == ids
         for s in sinks.values():
             s.close()
         with open_sink(spec, version=2, attempt=0) as coordinator:

@@ -4,8 +4,9 @@ The engine starts on checkpoint v0. Reference digests and greedy tokens of v1..v
 dense loads (``dcr_dense_load``) on the same engine; then the engine goes back to v0 and is moved
 v0 -> v1 (mixed XOR/overwrite delta, staged twice), v1 -> v2 (a partial XOR apply, then an
 overwrite-only retry of the complete changed set), v2 -> v3 (overwrite-only), with rejection cases
-(wrong base version, corrupted, unknown tensor, wrong shape) and apply-before-prewarm checked
-against digests. The test file asserts on the report.
+(wrong base version, corrupted, unknown tensor, wrong shape), exactly-once cases (a re-sequenced
+duplicate, an extra and a missing payload against the sealed set) and apply-before-prewarm
+checked against digests. The test file asserts on the report.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def main() -> None:
     for r in report["prewarm"]:
         no_xor |= set(r["overwrite_only"])
 
-    def payloads(a: int, b: int, attempt: int, mode: str, base: int | None = None) -> list:
+    def payloads(
+        a: int, b: int, attempt: int, mode: str, base: int | None = None, sequence: int = 0
+    ) -> list:
         items = []
         for name in sorted(ckpts[a]):
             kind = Kind.OVERWRITE if mode == "overwrite" or name in no_xor else Kind.XOR
@@ -88,7 +91,7 @@ def main() -> None:
             base_version=a if base is None else base,
             attempt=attempt,
             owner=0,
-            sequence=0,
+            sequence=sequence,
         )
         return encode_items(items, meta, BucketConfig(bucket_bytes=args.bucket_bytes, threads=0))
 
@@ -140,6 +143,40 @@ def main() -> None:
     report["d0_after_rejections"] = digests()
     report["empty_apply"] = llm.collective_rpc("dcr_apply", args=(0,))
     report["d0_after_empty_apply"] = digests()
+
+    # exactly once (attempts 7-9, each fenced afterwards): the same changes re-encoded under
+    # other sequence numbers, an extra payload and a missing one each fail with a clear error
+    # and leave the weights unchanged
+    from shared_codec.format import peek_header
+
+    def ids(ps: list) -> list[str]:
+        return [peek_header(p, verify=False).payload_id_hex for p in ps]
+
+    def expect(ps: list) -> dict:
+        return {"version": 1, "base_version": 0, "payload_ids": ids(ps)}
+
+    eo: dict = {}
+    first, again = payloads(0, 1, 7, "mixed"), payloads(0, 1, 7, "mixed", sequence=100)
+    eo["first"], eo["again"] = ids(first), ids(again)
+    eo["resequenced_stage"] = llm.collective_rpc("dcr_stage", args=(first + again,))
+    eo["resequenced_apply"] = llm.collective_rpc(
+        "dcr_apply", args=(7, False, expect(first + again))
+    )
+    llm.collective_rpc("dcr_abort", args=(7,))
+    full = payloads(0, 1, 8, "mixed")
+    extra = payloads(0, 1, 8, "overwrite", sequence=100)[:1]
+    eo["extra"] = ids(extra)
+    eo["extra_stage"] = llm.collective_rpc("dcr_stage", args=(full + extra,))
+    eo["extra_apply"] = llm.collective_rpc("dcr_apply", args=(8, False, expect(full)))
+    llm.collective_rpc("dcr_abort", args=(8,))
+    full = payloads(0, 1, 9, "mixed")
+    eo["missing"] = ids(full[-1:])
+    eo["missing_stage"] = llm.collective_rpc("dcr_stage", args=(full[:-1],))
+    eo["missing_apply"] = llm.collective_rpc("dcr_apply", args=(9, False, expect(full)))
+    llm.collective_rpc("dcr_abort", args=(9,))
+    eo["status"] = llm.collective_rpc("dcr_status")
+    report["exactly_once"] = eo
+    report["d0_after_exactly_once"] = digests()
 
     # v0 -> v1: mixed mode, delivered in reverse order, staged twice, applied once
     report["n_payloads_v1"] = len(good)

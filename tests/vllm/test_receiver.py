@@ -1,6 +1,8 @@
 """Receiver RPCs against real vLLM CPU engines: a delta refit is bit-exact with a dense load
 (every parameter and buffer, every rank) and gives identical greedy tokens; duplicates are
-applied once; a partial apply is repaired by an overwrite retry; bad payloads change nothing.
+applied once; a partial apply is repaired by an overwrite retry; bad payloads change nothing; an
+attempt applies exactly its sealed set (a re-sequenced duplicate, an extra or a missing payload
+fails with a clear error and changes nothing).
 The engine program is receiver_program.py; see its docstring for the scenario."""
 
 from __future__ import annotations
@@ -94,6 +96,25 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     assert "unknown tensor" in r["rejections"]["unknown"][0]["rejected"][0]["reason"]
     assert "on this receiver" in r["rejections"]["wrong_shape"][0]["rejected"][0]["reason"]
     assert r["d0_after_rejections"] == r["d0"] == r["d0_after_empty_apply"]
+    # exactly once: a re-sequenced duplicate (its XOR payloads refused at staging, the manifest
+    # that names it refused at apply), an extra and a missing payload: clear errors naming the
+    # ids, weights unchanged on every rank
+    eo = r["exactly_once"]
+    for res in eo["resequenced_stage"]:
+        assert set(eo["first"]) <= set(res["staged"]) and res["rejected"], res
+        assert all("already XORs" in x["reason"] for x in res["rejected"]), res
+        assert {x["payload_id"] for x in res["rejected"]} <= set(eo["again"])
+    refused = [x["payload_id"] for x in eo["resequenced_stage"][0]["rejected"]]
+    for what, ids in (("resequenced", refused), ("extra", eo["extra"]), ("missing", eo["missing"])):
+        for ack in eo[f"{what}_apply"]:
+            assert ack["ok"] is False and ack["error"].startswith("ProtocolError: "), ack
+            assert "nothing was applied" in ack["error"], ack
+            assert all(i in ack["error"] for i in sorted(ids)[:8]), (what, ack)  # 8 named
+    assert all(f"missing {len(refused)}: " in a["error"] for a in eo["resequenced_apply"])
+    assert all(f"extra 1: {eo['extra'][0]}" in a["error"] for a in eo["extra_apply"])
+    assert all(f"missing 1: {eo['missing'][0]}" in a["error"] for a in eo["missing_apply"])
+    assert all(s["state"] == "clean" for s in eo["status"])
+    assert r["d0_after_exactly_once"] == r["d0"]
     # v0 -> v1 (mixed XOR/overwrite), delivered reordered, staged twice, applied once:
     # bit-exact with the dense load
     assert r["n_payloads_v1"] > 1

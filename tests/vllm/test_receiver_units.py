@@ -438,16 +438,17 @@ def test_rpc_answers_malformed_keys_and_payloads_with_ok_false(monkeypatch) -> N
     monkeypatch.setitem(
         cpu_compat._state, "enabled_by_extension", cpu_compat._state["enabled_by_extension"]
     )
+    from vllm_dcr_plugin import worker as dcr_worker
     from vllm_dcr_plugin.extension import DCRWorkerExtension
+
+    # no vLLM distributed state in a unit test
+    monkeypatch.setattr(dcr_worker, "ranks", lambda worker: {"rank": 0})
 
     class Worker(DCRWorkerExtension):
         rank = 0
 
         def __init__(self) -> None:
             self.model_runner = type("Runner", (), {"model": FakeLoaderModel(), "requests": {}})()
-
-        def _dcr_ranks(self) -> dict[str, int]:  # no vLLM distributed state in a unit test
-            return {"rank": 0}
 
     for key, why in (("ab" * 65, "at most 64"), ("zz", "hex-encoded")):
         monkeypatch.setenv("DCR_PAYLOAD_KEY", key)

@@ -22,6 +22,7 @@ from vllm_dcr_plugin.extension import DCRWorkerExtension  # noqa: E402
 cpu_compat._state["enabled_by_extension"] = _enabled
 
 TABLE = [[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()]
+_EXPECT = {"version": 1, "base_version": 0, "payload_ids": ["ab" * 16]}
 
 
 def _extension() -> DCRWorkerExtension:
@@ -50,6 +51,18 @@ def test_bad_arguments_are_protocol_error_replies_that_change_nothing(tmp_path: 
         "verify not a bool": ("dcr_apply", (0,), {"verify": "maybe"}),
         "old fault argument, positional": ("dcr_apply", (0, False, 5), {}),
         "old fault argument, keyword": ("dcr_apply", (0,), {"fail_after_items": 2}),
+        "expect not a dict": ("dcr_apply", (0,), {"expect": [1]}),
+        "expect without ids": ("dcr_apply", (0,), {"expect": {"version": 1, "base_version": 0}}),
+        "expect unknown key": ("dcr_apply", (0,), {"expect": {**_EXPECT, "count": 1}}),
+        "expect ids not hex": ("dcr_apply", (0,), {"expect": {**_EXPECT, "payload_ids": ["zz"]}}),
+        "expect id too short": ("dcr_apply", (0,), {"expect": {**_EXPECT, "payload_ids": ["ab"]}}),
+        "expect id listed twice": (
+            "dcr_apply",
+            (0,),
+            {"expect": {**_EXPECT, "payload_ids": ["ab" * 16, "ab" * 16]}},
+        ),
+        "expect negative version": ("dcr_apply", (0,), {"expect": {**_EXPECT, "version": -1}}),
+        "expect on another base": ("dcr_apply", (0,), {"expect": {**_EXPECT, "base_version": 3}}),
         "missing argument": ("dcr_commit", (), {}),
         "negative version": ("dcr_commit", (-1,), {}),
         "abort of a bool": ("dcr_abort", (True,), {}),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from shared_codec.format import peek_header
 from shared_codec.transport.relay.messages import Abandon, Manifest
+from shared_codec.transport.seam import SealedAttempt
 from shared_codec.transport.store import TransportError
 
 
@@ -195,6 +196,16 @@ class SpoolSource:
                 f"{len(ids - have)} listed payload(s) missing, {len(have - ids)} not listed"
             )
         yield from payloads
+
+    def sealed(self, version: int, attempt: int, timeout_s: float = 60.0) -> SealedAttempt:
+        """The payload ids of the node's manifest notice, in its order (waits for it); a relay
+        manifest carries no base version (None)."""
+        wait_manifest(self.directory, version, attempt, timeout_s)
+        f = Path(self.directory) / _marker("manifest", version, attempt)
+        ids = json.loads(f.read_text())["payload_ids"]
+        return SealedAttempt(
+            version=version, attempt=attempt, base_version=None, payload_ids=tuple(ids)
+        )
 
     def stream(
         self,
