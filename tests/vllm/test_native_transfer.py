@@ -155,6 +155,8 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     # v1: a clean delta refit through the four phases; vLLM stamps the weight version
     res = engine.send_weights()
     assert res.version == 1 and res.retries == 0 and res.record.receivers == ("engine0",)
+    (rank0,) = res.attempts[0].acks["engine0"]["ranks"]
+    assert rank0["ack"]["pipelined_parts"] > 1  # applied payload by payload as they arrived
     assert server.weight_version() == "1"
     after_v1 = server.checksums()
 
@@ -204,8 +206,11 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
         assert not rep["ok"] and "ProtocolError" in rep["error"] and reason in rep["error"], rep
     assert server.checksums() == after_v2
     assert server.weight_version() == "2"
+    native.pipelined = False  # staged first, then applied (fetch waits for the seal)
     res = engine.send_weights()  # still prewarmed at v2, still the same control store
     assert res.version == 3 and res.retries == 0
+    (rank0,) = res.attempts[0].acks["engine0"]["ranks"]
+    assert "pipelined_parts" not in rank0["ack"] and rank0["fetch"]["staged"] > 1, rank0
     after_v3 = server.checksums()
 
     # the oracle: dense loads of v1 and v2 give vLLM's checksums of the delta refits
