@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from vllm_dcr_plugin.transfer import reports
 pytestmark = pytest.mark.vllm
 
 VERSIONS = 6
+POSITIONS = 8192
 
 
 class CheckpointOwners:
@@ -76,7 +76,11 @@ class Server:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.versions = [write_tiny_model("qwen3", root / "v0", seed=0)]
+        # 8192 positions: a long completion holds state in the engine for seconds (the async
+        # RL test needs requests still running when the update or the pause arrives)
+        self.versions = [
+            write_tiny_model("qwen3", root / "v0", seed=0, max_position_embeddings=POSITIONS)
+        ]
         for v in range(1, VERSIONS):
             perturb_checkpoint(self.versions[-1], root / f"v{v}", seed=v)
             self.versions.append(root / f"v{v}")
@@ -89,7 +93,7 @@ class Server:
             extension=False,
             extra_args=[
                 "--weight-transfer-config", json.dumps({"backend": "dcr"}),
-                "--enable-scale-out", "--max-model-len", "512",
+                "--enable-scale-out", "--max-model-len", str(POSITIONS),
             ],
         )  # fmt: skip
         self.url = self.proc.start(timeout_s=420)
@@ -220,12 +224,14 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
 
 
 def _generate(server: Server, max_tokens: int, started: threading.Event, out: list) -> None:
+    """Stream one greedy completion; appends (token ids, final choice) to `out`."""
     body = {
         "token_ids": [1, 2, 3, 4],
         "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
         "stream": True,
     }
-    tokens, final = 0, None
+    tokens: list[int] = []
+    final = None
     with requests.post(
         server.url + "/inference/v1/generate", json=body, stream=True, timeout=600
     ) as r:
@@ -233,8 +239,8 @@ def _generate(server: Server, max_tokens: int, started: threading.Event, out: li
             if not line.startswith(b"data: {"):
                 continue
             choice = json.loads(line[6:])["choices"][0]
-            tokens += len(choice["token_ids"])
-            if tokens >= 8:
+            tokens += choice["token_ids"]
+            if len(tokens) >= 8:
                 started.set()
             if choice["finish_reason"] is not None:
                 final = choice
@@ -244,8 +250,13 @@ def _generate(server: Server, max_tokens: int, started: threading.Event, out: li
 def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     engine, _, _ = trainer(server, tmp_path)
     assert server.weight_version() == "0"
+    reference: list = []  # the old (v0) engine's greedy tokens for the request used below
+    _generate(server, 400, threading.Event(), reference)
+    old = reference[0][0]
+    assert len(old) == 400
 
-    # the gate: a request runs and generation is not paused -> the apply is refused
+    # the gate: a request runs and generation is not paused -> the apply is refused before any
+    # write (the request needs several seconds of engine time; the refusal names it)
     gate = Coordinator(
         engine.coordinator.control,
         engine.coordinator.owners,
@@ -255,45 +266,69 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     )
     before = server.checksums()
     started, done = threading.Event(), []
-    threads = [
-        threading.Thread(target=_generate, args=(server, 490, started, done)) for _ in range(3)
-    ]
-    for t in threads:
-        t.start()
-    assert started.wait(120)
-    with pytest.raises(RefitFailed, match="request gate closed"):
-        gate.refit()
-    for t in threads:
-        t.join(600)
-    assert [n for n, _ in done] == [490] * 3
-    assert server.checksums() == before  # refused before any write
-
-    # async RL: pause(keep) mid-generation, refit, resume: the frozen request continues on the
-    # new weights and its weight_versions show the switch
-    started, done = threading.Event(), []
-    t = threading.Thread(target=_generate, args=(server, 490, started, done))
+    t = threading.Thread(target=_generate, args=(server, 8000, started, done))
     t.start()
     assert started.wait(120)
-    server.post("/pause", mode="keep")
-    assert requests.get(server.url + "/is_paused", timeout=30).json()["is_paused"] is True
-    res = engine.send_weights()  # the retry of the refused attempt: overwrites
-    assert res.version == 1 and res.attempts[-1].ok
-    server.post("/resume")
+    with pytest.raises(RefitFailed, match=r"request gate closed .*1 request\(s\) still hold"):
+        gate.refit()
+    # sync RL's other way out: pause(abort) ends the rollout, then resume
+    server.post("/pause", mode="abort")
     t.join(600)
     tokens, final = done[0]
-    assert tokens == 490
-    spans = final["weight_versions"]
-    assert [s["version"] for s in spans] == ["0", "1"], spans
-    assert 0 < spans[0]["end"] == spans[1]["start"] < 490 and spans[1]["end"] == 490
+    assert final["finish_reason"] == "abort" and 8 <= len(tokens) < 8000
+    server.post("/resume")
+    assert server.checksums() == before  # refused before any write
+    assert server.weight_version() == "0"
 
-    # sync RL: pause(wait) drains, refit, resume; new requests run on v2
+    # async RL: pause(keep) mid-generation, refit, resume: the frozen request continues on the
+    # new weights and its weight_versions show the switch. The request needs seconds of engine
+    # time, but vLLM's API server can deliver a stream in one burst after a lag (seen on 2
+    # cores), so the pause could land after the request ended: such a round must show the old
+    # version only (the refit still lands exactly) and the next version tries again (<= 3).
+    version = 0
+    for _ in range(3):
+        started, done = threading.Event(), []
+        t = threading.Thread(target=_generate, args=(server, 2000, started, done))
+        t.start()
+        assert started.wait(120)
+        server.post("/pause", mode="keep")
+        assert requests.get(server.url + "/is_paused", timeout=30).json()["is_paused"] is True
+        res = engine.send_weights()  # (first round: the retry of the refused attempt)
+        version += 1
+        assert res.version == version and res.attempts[-1].ok
+        server.post("/resume")
+        t.join(600)
+        tokens, final = done[0]
+        assert len(tokens) == 2000 and final["finish_reason"] == "length"
+        spans = final["weight_versions"]
+        after_resume: list = []  # a request sent after the resume runs on the new weights
+        _generate(server, 400, threading.Event(), after_resume)
+        if [s["version"] for s in spans] == [str(version - 1)]:  # ended before the pause
+            assert tokens[:400] == old
+            old = after_resume[0][0]
+            continue
+        assert [s["version"] for s in spans] == [str(version - 1), str(version)], spans
+        switch = spans[0]["end"]
+        assert 0 < switch == spans[1]["start"] < 400 and spans[1]["end"] == 2000
+        assert tokens[:switch] == old[:switch]  # before the pause: the old engine's tokens
+        break
+    else:
+        pytest.fail("in 3 rounds the pause never landed while the request ran")
+    after = server.checksums()
+    # the oracle: a dense load of the new version gives the same checksums and greedy tokens
+    assert dense_checksums(server, engine, version) == after
+    dense: list = []
+    _generate(server, 400, threading.Event(), dense)
+    assert after_resume[0][0] == dense[0][0] != old
+
+    # sync RL: pause(wait) drains, refit, resume; new requests run on the next version
     server.post("/pause", mode="wait")
     res = engine.send_weights()
-    assert res.version == 2 and res.retries == 0
+    version += 1
+    assert res.version == version and res.retries == 0
     server.post("/resume")
     started, done = threading.Event(), []
     _generate(server, 16, started, done)
-    assert [s["version"] for s in done[0][1]["weight_versions"]] == ["2"]
-    after_v2 = server.checksums()
-    assert dense_checksums(server, engine, 2) == after_v2
-    time.sleep(0)  # keep the engine idle for the next module
+    assert [s["version"] for s in done[0][1]["weight_versions"]] == [str(version)]
+    after = server.checksums()
+    assert dense_checksums(server, engine, version) == after
