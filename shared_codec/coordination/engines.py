@@ -1,5 +1,6 @@
-"""Drive DCR on `vllm serve` engines over HTTP: a coordinator receiver handle and a local
-launcher.
+"""Drive DCR on vLLM engines through their worker extension: coordinator handles for a
+``vllm serve`` engine (`HttpEngine`, over HTTP) and for an engine running as a Ray actor
+(`RayEngine`, through the actor's ``collective_rpc``).
 
 `HttpEngine` is the `shared_codec.coordination.coordinator.Receiver` of one ``vllm serve`` engine (all its
 ranks). It uses only vLLM's own HTTP API: ``POST /collective_rpc`` (the dev endpoints, enabled
@@ -84,16 +85,19 @@ class HttpEngine:
             ) from None
         return json.loads(raw) if raw else None
 
-    def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
-        """Call a dcr_ RPC on every rank; raise DCRError naming the receiver and failing ranks."""
+    def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
+        """vLLM's ``collective_rpc`` of `method` on every rank: the per-rank replies."""
         out = self._post(
-            "/collective_rpc",
-            {"method": method, "args": list(args), "timeout": timeout},
-            timeout + 30,
+            "/collective_rpc", {"method": method, "args": args, "timeout": timeout}, timeout + 30
         )
         replies = (out or {}).get("results")
         if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
             raise DCRError(f"receiver {self.name}: {method} returned {out!r}")
+        return replies
+
+    def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Call a dcr_ RPC on every rank; raise DCRError naming the receiver and failing ranks."""
+        replies = self._call(method, list(args), timeout)
         bad = [r for r in replies if not r.get("ok")]
         if bad:
             raise DCRError(
@@ -150,15 +154,7 @@ class HttpEngine:
                 except DCRError as e:  # the manifest the engines fetched is unreadable here
                     self.last = {"ok": False, "error": f"seal unreadable: {e}", "ranks": []}
                     return self.last
-                acks = self._post(
-                    "/collective_rpc",
-                    {
-                        "method": "dcr_apply",
-                        "args": [attempt, self.verify, expect],
-                        "timeout": timeout_s,
-                    },
-                    timeout_s + 30,
-                )["results"]
+                acks = self._call("dcr_apply", [attempt, self.verify, expect], timeout_s)
         finally:
             if self.healthy():
                 self.reset_prefix_cache()  # also after a failed apply: weights may be partial
@@ -213,7 +209,78 @@ class HttpEngine:
         if not self.healthy():
             if self.launcher is None:
                 raise DCRError(f"receiver {self.name} is down and has no launcher to restart it")
-            self.base_url = self.launcher().rstrip("/")
+            self._relaunch()
         self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
         self.reset_prefix_cache()
         self.prewarm(version)
+
+    def _relaunch(self) -> None:
+        assert self.launcher is not None
+        self.base_url = self.launcher().rstrip("/")
+
+
+class RayEngine(HttpEngine):
+    """Coordinator handle for one vLLM engine that runs as a Ray actor (``ray.remote(LLM)`` or an
+    ``AsyncLLM`` actor) with the DCR worker extension: the ``dcr_`` RPCs go through the actor's
+    own ``collective_rpc`` (vLLM's executor fans them out to the workers) and the prefix cache
+    is reset through its ``reset_prefix_cache``; everything else is `HttpEngine`'s.
+
+    `launcher` returns a new actor handle (`restore` of a dead actor). An actor that died or
+    does not answer within the call's deadline raises `EngineUnreachable`.
+
+    Limitations:
+    1. Needs ``ray`` in the coordinator's process (imported on first call).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        actor: Any,
+        *,
+        store: dict[str, Any],
+        checkpoint_for: Callable[[int], str],
+        tensors: list,
+        launcher: Callable[[], Any] | None = None,
+        verify: bool = False,
+        pipelined: bool = True,
+    ) -> None:
+        super().__init__(
+            name,
+            f"ray-actor://{name}",
+            store=store,
+            checkpoint_for=checkpoint_for,
+            tensors=tensors,
+            verify=verify,
+            pipelined=pipelined,
+        )
+        self.actor = actor
+        self.launcher = launcher
+
+    def _get(self, ref: Any, timeout: float) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise EngineUnreachable(f"receiver {self.name} (Ray actor): {e}") from None
+
+    def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
+        ref = self.actor.collective_rpc.remote(method, timeout=timeout, args=tuple(args))
+        replies = self._get(ref, timeout + 30)
+        if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
+            raise DCRError(f"receiver {self.name}: {method} returned {replies!r}")
+        return replies
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            self._get(self.actor.get_weight_version.remote(), timeout)
+            return True
+        except EngineUnreachable:
+            return False
+
+    def reset_prefix_cache(self) -> None:
+        self._get(self.actor.reset_prefix_cache.remote(), 60)
+
+    def _relaunch(self) -> None:
+        assert self.launcher is not None
+        self.actor = self.launcher()

@@ -20,14 +20,11 @@ import requests
 
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
 from dcr_tools.procs import ServeProcess, base_env, free_port
-from shared_codec.buckets import BucketConfig, encode_items
-from shared_codec.checkpoint import load_checkpoint, tensor_table
+from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.errors import RefitFailed
-from shared_codec.format import PayloadMeta
-from shared_codec.records import Kind, diff_tensors
-from shared_codec.transport.seam import Seal, open_sink
 from shared_codec.transport.store import open_store
+from tests.vllm._owners import CheckpointOwners
 from vllm_dcr_plugin import faults
 from vllm_dcr_plugin.transfer import reports
 
@@ -35,40 +32,6 @@ pytestmark = pytest.mark.vllm
 
 VERSIONS = 6
 POSITIONS = 8192
-
-
-class CheckpointOwners:
-    """Test-only `Owners`: attempt a of version v publishes the delta v-1 -> v between two
-    canonical checkpoints (XOR, or overwrites on a retry) as one owner, then seals it."""
-
-    def __init__(self, versions: list[Path], transport: dict[str, Any]) -> None:
-        self.versions, self.transport = versions, transport
-        self.builds: list[tuple[int, int, bool]] = []
-
-    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
-        self.builds.append((version, attempt, retry))
-        old, new = (load_checkpoint(self.versions[v]) for v in (version - 1, version))
-        kind = Kind.OVERWRITE if retry else Kind.XOR
-        items = [diff_tensors(n, old[n], new[n], kind=kind) for n in sorted(new)]
-        meta = PayloadMeta(
-            version=version, base_version=version - 1, attempt=attempt, owner=0, sequence=0
-        )
-        payloads = encode_items(
-            [i for i in items if i.count], meta, BucketConfig(bucket_bytes=4096, threads=0)
-        )
-        with open_sink(self.transport, version=version, attempt=attempt, owner=0) as sink:
-            for p in payloads:
-                sink.send(p)
-            sent = sink.finish()
-        with open_sink(self.transport, version=version, attempt=attempt) as sink:
-            sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
-        return {"baseline_id": f"ckpt-v{version - 1}", "payloads": len(payloads)}
-
-    def commit(self, version: int) -> None:
-        pass
-
-    def abort(self, version: int, attempt: int) -> None:
-        pass
 
 
 class Server:
