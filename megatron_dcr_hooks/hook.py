@@ -13,6 +13,15 @@ One transition (every rank calls, in the same order; collectives inside):
 ``build(version, attempt + 1, retry=True)`` re-emits the complete changed set from the same
 candidate weights as overwrites.
 
+Candidate guard (paper Proposition 1 assumes the candidate stays fixed until the commit): every
+build records a 16-byte fingerprint per owned shard of what it built from (BLAKE2b of the
+changed indices and their new stored bits against the tracker; of the whole shard in mode F).
+`verify_candidate` recomputes them; `commit()` and an overwrite retry call it first and raise
+`CandidateChanged` naming the moved parameters instead of advancing a baseline the engines do
+not hold or re-emitting a different candidate. The coordinator asks the owners to verify before
+its compare-and-set, so a trainer that stepped between build and commit gets nothing committed.
+Async trainers must not step between ``build`` and the commit (or build again afterwards).
+
 Modes (paper Table 3, `ConstructionMode`): X = projection + mixed XOR/overwrite (default),
 P = projection + overwrites, F = full conversion of every tensor through the bridge + overwrites.
 
@@ -28,6 +37,7 @@ Limitations:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -47,7 +57,7 @@ from megatron_dcr_hooks.ownership import owns, residual_owner
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
 from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig, BucketEncoder
 from shared_codec.dtypes import dtype_of, tensor_bits
-from shared_codec.errors import OwnerBuildError, ProtocolError
+from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import changed_indices, warm_up
 from shared_codec.records import DeltaItem, Kind, make_item
@@ -204,6 +214,8 @@ class DCRHook:
         self._pending_residual: dict[str, torch.Tensor] = {}
         self.committed_version = 0
         self._candidate: int | None = None
+        # candidate guard: (version, {task index: fingerprint}) of the last build
+        self._built: tuple[int, dict[int, bytes]] | None = None
         self.last_report: BuildReport | None = None
         self._init_residual_baseline()
         warm_up()  # compile the detection scan now, not inside the first optimizer step
@@ -253,7 +265,10 @@ class DCRHook:
         """
         if version <= self.committed_version:
             raise ProtocolError(f"version {version} <= committed {self.committed_version}")
+        if retry and self._built is not None and self._built[0] == version:
+            self.verify_candidate(version)  # the retry must re-emit the same candidate
         t0 = time.perf_counter()
+        fingerprints: dict[int, bytes] = {}
         rep = BuildReport(version=version, attempt=attempt, retry=retry)
         out = sink or self.config.sink or self.payloads.append
         writer = _SinkThread(out, self.config.queue_depth)
@@ -282,13 +297,14 @@ class DCRHook:
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
                 local = changed_indices(cur_bits, base_bits)
+                fingerprints[t.index] = _fingerprint(cur_bits, local)
                 rep.detect_seconds += time.perf_counter() - td
                 if not local.size:
                     continue
                 rep.changed_elements += int(local.size)
                 for item in self._project(t, local, cur_bits, base_bits, xor_ok):
                     self._emit(enc, writer, item, rep)
-            self._residual(enc, writer, rep)
+            self._residual(enc, writer, rep, fingerprints)
             for payload in enc.finish():
                 writer.put(payload)
         finally:
@@ -299,6 +315,7 @@ class DCRHook:
         rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
         rep.seconds = time.perf_counter() - t0
         self._candidate = version
+        self._built = (version, fingerprints)
         self.last_report = rep
         log.info(
             "dcr build v%d attempt %d%s: %d payloads, %d bytes, %d entries (%d XOR), change rate "
@@ -347,7 +364,13 @@ class DCRHook:
             )
         return items
 
-    def _residual(self, enc: BucketEncoder, writer: _SinkThread, rep: BuildReport) -> None:
+    def _residual(
+        self,
+        enc: BucketEncoder,
+        writer: _SinkThread,
+        rep: BuildReport,
+        fingerprints: dict[int, bytes],
+    ) -> None:
         """Residual conversion: flag changed tasks (all-reduced), convert them with the bridge,
         compare with the residual baseline owned by a canonical-name hash, emit overwrites."""
         if not self.residual_tasks:
@@ -357,7 +380,8 @@ class DCRHook:
         for i, t in enumerate(self.residual_tasks):
             if t.index in self.owned_idx:
                 rep.owned_elements += t.param.numel()
-                if full or self._shard_changed(t):
+                fingerprints[t.index], changed = self._shard_state(t)
+                if full or changed:
                     flags[i] = 1
         if full:
             flags.fill_(1)
@@ -384,15 +408,46 @@ class DCRHook:
                 )
                 self._emit(enc, writer, item, rep)
 
-    def _shard_changed(self, t: Task) -> bool:
-        """Whether an owned residual task's shard changed its stored bits since the commit."""
-        cur = t.param.detach().to("cpu")
-        return not torch.equal(cur.view(torch.uint8), self.trackers[t.index].view(torch.uint8))
+    def _shard_state(self, t: Task) -> tuple[bytes, bool]:
+        """(fingerprint, changed since the commit) of an owned shard's current stored bits."""
+        cur = tensor_bits(t.param.detach().to("cpu"))
+        base = self.trackers.get(t.index)
+        if base is None:  # mode F keeps no trackers: the whole shard is the candidate
+            return _fingerprint(cur, None), True
+        local = changed_indices(cur, tensor_bits(base))
+        return _fingerprint(cur, local), bool(local.size)
+
+    def verify_candidate(self, version: int) -> None:
+        """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
+        of `version` built from (one detection scan of the owned shards; changes nothing)."""
+        if self._built is None or self._built[0] != version:
+            built = None if self._built is None else self._built[0]
+            raise ProtocolError(
+                f"rank {self.rank}: no build of version {version} to verify (last build: {built})"
+            )
+        moved = [
+            t.name
+            for t in self.owned
+            if t.index in self._built[1] and self._shard_state(t)[0] != self._built[1][t.index]
+        ]
+        if moved:
+            # the record is stale: a later retry builds from the current weights (the
+            # coordinator restores the engines to the committed version first)
+            self._built = None
+            shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+            raise CandidateChanged(
+                f"rank {self.rank}: parameters changed after version {version} was built "
+                f"({shown}); an optimizer step between build and commit? Nothing committed: "
+                "build the version again from the current weights"
+            )
 
     def commit(self) -> None:
-        """The candidate version was committed: advance trackers and residual baseline in place."""
+        """The candidate version was committed: advance trackers and residual baseline in place.
+        Refuses (`CandidateChanged`, nothing advanced) when the parameters moved since the
+        build."""
         if self._candidate is None:
             raise ProtocolError("commit without a built candidate")
+        self.verify_candidate(self._candidate)
         with torch.no_grad():
             for idx, base in self.trackers.items():
                 base.copy_(self.tasks[idx].param.detach().to("cpu"))
@@ -409,6 +464,18 @@ class DCRHook:
     def after_step(self) -> BuildReport | None:
         """Called after each optimizer step: builds the next version's delta (attempt 0)."""
         return self.build(self.committed_version + 1, 0)
+
+
+def _fingerprint(cur_bits: np.ndarray, local: np.ndarray | None) -> bytes:
+    """16 bytes naming a shard's candidate: its changed indices and their new stored bits (the
+    whole shard when `local` is None)."""
+    h = hashlib.blake2b(digest_size=16)
+    if local is None:
+        h.update(np.ascontiguousarray(cur_bits).data)
+    else:
+        h.update(np.ascontiguousarray(local, dtype=np.int64).data)
+        h.update(np.ascontiguousarray(cur_bits[local]).data)
+    return h.digest()
 
 
 def enable_dcr(

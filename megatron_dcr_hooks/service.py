@@ -5,7 +5,7 @@ Rank 0 (of the hook's ``groups.world``) binds a ZeroMQ REP socket; each request 
 with ``"op"``) is broadcast to every rank as JSON bytes in a uint8 tensor over that group (the
 hook's `ParallelGroups`; never the default group implicitly; no pickle),
 every rank runs it collectively, and rank 0 replies ``{"ok": true, ...}`` or
-``{"ok": false, "error": ...}``. An error on any rank fails the whole request.
+``{"ok": false, "error": ..., "error_type": ...}``. An error on any rank fails the whole request.
 
 Built-in ops:
 - ``build`` {version, attempt, retry}: ``hook.build`` with each rank's payloads sent into its
@@ -13,6 +13,8 @@ Built-in ops:
   id = global rank); after every rank finished its sink, rank 0 seals the attempt (manifest or
   relay-tree completion). Reply: ``baseline_id``, summed payload bytes and count, element
   change rate, slowest build seconds.
+- ``verify`` {version}: the candidate guard (`DCRHook.verify_candidate` on every rank); a moved
+  shard anywhere fails it with ``error_type`` ``CandidateChanged``.
 - ``commit`` {version}: owners advance their baselines (idempotent for the committed version).
 - ``abort`` {version, attempt}: keep the committed baseline.
 - ``status``; ``stop`` (reply, then `serve` returns).
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_dcr_hooks.groups import RankGroup
 from megatron_dcr_hooks.hook import DCRHook
-from shared_codec.errors import OwnerBuildError, ProtocolError
+from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
 from shared_codec.transport.seam import SINK_KINDS, Seal, open_sink, parse_spec
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -133,6 +135,8 @@ class OwnerService:
                 except Exception as e:
                     seal_error = f"{type(e).__name__}: {e}"
             seal_error = _broadcast_json(seal_error, self.groups.world)
+        if any(r["error"].startswith("CandidateChanged") for r in per_rank):
+            raise CandidateChanged("; ".join(errors))
         if errors or seal_error:
             raise OwnerBuildError("; ".join(errors) or seal_error)
         assert rep is not None
@@ -158,6 +162,21 @@ class OwnerService:
             self.hook.commit()
         return {"committed_version": self.hook.committed_version}
 
+    def _verify(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The candidate guard before the coordinator's compare-and-set: every rank checks its
+        shards (hook.verify_candidate); any moved shard fails the op with `CandidateChanged`
+        on every rank, naming them all."""
+        version = int(req["version"])
+        error = ""
+        try:
+            self.hook.verify_candidate(version)
+        except CandidateChanged as e:
+            error = str(e)
+        errors = [e for e in _gather_json(error, self.groups.world) if e]
+        if errors:
+            raise CandidateChanged("; ".join(errors))
+        return {"version": version}
+
     def _abort(self, req: dict[str, Any]) -> dict[str, Any]:
         self.hook.abort()
         return {"committed_version": self.hook.committed_version}
@@ -173,6 +192,7 @@ class OwnerService:
         """Run one request on this rank; the reply of rank 0 is what the client sees."""
         ops: dict[str, Handler] = {
             "build": self._build,
+            "verify": self._verify,
             "commit": self._commit,
             "abort": self._abort,
             "status": self._status,
@@ -186,7 +206,11 @@ class OwnerService:
                 raise ValueError(f"unknown op {op!r}; known: {sorted(ops)} and 'stop'")
             out: dict[str, Any] = {"ok": True, **fn(req)}
         except Exception as e:
-            out = {"ok": False, "error": f"rank {self.rank}: {type(e).__name__}: {e}"}
+            out = {
+                "ok": False,
+                "error": f"rank {self.rank}: {type(e).__name__}: {e}",
+                "error_type": type(e).__name__,
+            }
             traceback.print_exc()
         flag = torch.tensor([0 if out["ok"] else 1], dtype=torch.int64)
         dist.all_reduce(flag, group=self.groups.world.group)  # an error on any rank fails it

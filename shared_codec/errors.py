@@ -15,7 +15,9 @@ an RPC or wire boundary are `ProtocolError` / `PayloadError`.
     │   └── RelayMessageError a malformed relay message (refused, not acted on)
     ├── CommitConflict        the commit compare-and-set lost
     ├── EngineUnreachable     a rollout engine did not answer
-    └── RefitFailed           every attempt of a transition failed
+    ├── RefitFailed           every attempt of a transition failed
+    └── OwnerBuildError       the owners could not build or hand off an attempt
+        └── CandidateChanged  the trainer's weights moved after the build (nothing committed)
 """
 
 
@@ -94,4 +96,16 @@ class OwnerBuildError(DCRError):
     State left behind: the attempt is incomplete (some payloads may have been delivered) and
     must be fenced; the owners' committed baseline is unchanged (only a commit advances it), so
     an overwrite retry rebuilds the complete changed set.
+    """
+
+
+class CandidateChanged(OwnerBuildError):
+    """The trainer's parameters changed after the attempt was built (for example an optimizer
+    step between build and commit): the payloads no longer describe them, so the owners refuse
+    to commit or to re-emit the attempt as an overwrite retry (paper Proposition 1 assumes the
+    candidate stays fixed until the commit).
+
+    State left behind: nothing committed; the owners keep the committed baseline; engines that
+    applied the attempt are dirty until a later attempt or a dense load repairs them. Build the
+    version again from the current weights (a new attempt 0) once the trainer holds still.
     """

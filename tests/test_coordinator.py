@@ -6,7 +6,8 @@ a restart + dense load; a coordinator that dies between the ACKs and the commit 
 new one that resumes without a double commit; a payload lost in transport fails the attempt,
 late payloads of the failed attempt are refused and duplicates apply once; owners failing while
 pipelined receivers wait make the coordinator abandon the attempt; the request gate refuses an
-apply while a generation runs. Every committed
+apply while a generation runs; an optimizer step between build and commit is refused by the
+candidate guard (nothing committed, engines restored). Every committed
 version is checked bit for bit against a dense load of the trainer's export of that version."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from dcr_tools.procs import PYTHON
 from shared_codec.coordination.coordinator import Coordinator
-from shared_codec.errors import DCRError
+from shared_codec.errors import DCRError, RefitFailed
 from tests._cluster import Cluster
 
 NAMES = ("engine0", "engine1")
@@ -66,6 +67,9 @@ class LossyOwners:
                 self.duplicates.append(again)
         return out
 
+    def verify(self, version: int) -> None:
+        self.inner.verify(version)
+
     def commit(self, version: int) -> None:
         self.inner.commit(version)
 
@@ -87,6 +91,33 @@ class FailingOwners:
             time.sleep(2)  # the receivers' streaming fetches are polling the store by now
             raise RuntimeError("owner rank 1 lost")
         return self.inner.build(version, attempt, retry)
+
+    def verify(self, version: int) -> None:
+        self.inner.verify(version)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, version: int, attempt: int) -> None:
+        self.inner.abort(version, attempt)
+
+
+class SteppingOwners:
+    """Wraps the real owner service: right after the first build, the trainer takes another
+    optimizer step (an async trainer stepping between build and commit)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.stepped = inner, False
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict:
+        out = self.inner.build(version, attempt, retry)
+        if not self.stepped:
+            self.stepped = True
+            self.inner.call("train", step=7)
+        return out
+
+    def verify(self, version: int) -> None:
+        self.inner.verify(version)
 
     def commit(self, version: int) -> None:
         self.inner.commit(version)
@@ -204,25 +235,45 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert res.record.version == 5 and res.record.attempt == 1
         _check_exact(cluster, 5)
 
-        # `dcr verify`: both engines against the commit record and a dense load of v5 (exact),
-        # then against v4's checkpoint (engine0 differs tensor by tensor; engine1, the
-        # reference, then holds v4 and no longer matches the commit record)
+        # 6. the candidate guard: an optimizer step between the build and the commit (an async
+        # trainer) is refused before the compare-and-set: nothing committed, every engine
+        # restored to v5; the next refit builds v6 from the current weights, bit-exact
+        before = [r.digest() for r in cluster.receivers]
+        cluster.owners.call("train", step=6)
+        coord6 = Coordinator(
+            cluster.store,
+            SteppingOwners(cluster.owners),
+            cluster.receivers,
+            fresh.config,
+            transport=cluster.store_spec,
+        )
+        with pytest.raises(RefitFailed, match=r"CandidateChanged.*nothing committed"):
+            coord6.refit()
+        assert coord6.committed_version() == 5 and len(coord6.attempts_of(6)) == 1
+        assert [r.digest() for r in cluster.receivers] == before
+        res = coord6.refit()
+        assert res.record.version == 6 and res.record.attempt == 1 and res.retries == 0
+        _check_exact(cluster, 6)
+
+        # `dcr verify`: both engines against the commit record and a dense load of v6 (exact),
+        # then against v5's checkpoint (engine0 differs tensor by tensor; engine1, the
+        # reference, then holds v5 and no longer matches the commit record)
         urls = [r.base_url for r in cluster.receivers]
         spec = json.dumps(cluster.store_spec)
-        good = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(5),
-                           "--reference", urls[1], "--version", "5")  # fmt: skip
+        good = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(6),
+                           "--reference", urls[1], "--version", "6")  # fmt: skip
         assert good.returncode == 0, good.stdout + good.stderr
         report = json.loads(good.stdout)
-        assert report["ok"] and report["commit"]["version"] == 5
+        assert report["ok"] and report["commit"]["version"] == 6
         assert all(r["mismatched_tensors"] == [] for r in report["receivers"].values())
-        bad = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(4),
-                          "--reference", urls[1], "--version", "4")  # fmt: skip
+        bad = _dcr_verify(*urls, "--store", spec, "--checkpoint", cluster.checkpoint_for(5),
+                          "--reference", urls[1], "--version", "5")  # fmt: skip
         assert bad.returncode == 1
         report = json.loads(bad.stdout)
         assert report["receivers"][urls[0]]["mismatched_tensors"]
         assert report["receivers"][urls[1]]["mismatched_tensors"] == []
         assert not report["ok"]
-        now = _dcr_verify(*urls, "--store", spec)  # engine1 was dense-loaded with v4 above
+        now = _dcr_verify(*urls, "--store", spec)  # engine1 was dense-loaded with v5 above
         report = json.loads(now.stdout)
         assert now.returncode == 1 and report["receivers"][urls[0]]["matches_commit_record"]
         assert not report["receivers"][urls[1]]["matches_commit_record"]

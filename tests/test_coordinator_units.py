@@ -24,6 +24,7 @@ from shared_codec.coordination.coordinator import (
     CoordinatorConfig,
     RefitFailed,
 )
+from shared_codec.errors import CandidateChanged
 from shared_codec.transport.objects import attempt_prefix
 from shared_codec.transport.store import DirectoryStore
 
@@ -104,6 +105,7 @@ class FakeOwners:
         self.committed = 0
         self.fail_builds: set[int] = set()
         self.crash_commit = False
+        self.moved: set[int] = set()  # versions whose candidate guard fails
         self.on_build: Callable[[int, int], None] | None = None
 
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
@@ -115,6 +117,11 @@ class FakeOwners:
         if self.delivery is not None:
             self.delivery.publish(version, attempt)
         return {"baseline_id": f"owners-v{self.committed}", "payload_bytes": 10}
+
+    def verify(self, version: int) -> None:
+        if version in self.moved:
+            self.events.add("owners", "verify-refused", version)
+            raise CandidateChanged(f"rank 1: parameters changed after version {version}")
 
     def commit(self, version: int) -> None:
         if self.crash_commit:
@@ -345,6 +352,35 @@ def test_every_attempt_failing_raises_and_leaves_the_commit_record(tmp_path: Pat
     for e in s.engines:
         assert s.events.of(e.name, "commit") == []
         assert s.events.of(e.name, "abort") == [(e.name, "abort", a) for a in range(3)]
+
+
+def test_candidate_moved_after_the_build_commits_nothing_and_restores_every_engine(
+    tmp_path: Path,
+) -> None:
+    """The owners' candidate guard fails after every engine ACKed (an optimizer step between
+    build and commit): no compare-and-set, no retry, every engine back to the committed
+    version, a RefitFailed naming the guard; the next refit builds afresh and commits."""
+    s = Setup(tmp_path, max_attempts=3)
+    before = s.control.get(_commit_key(0))
+    s.owners.moved.add(1)
+    with pytest.raises(RefitFailed, match="refused: verify: CandidateChanged.*nothing committed"):
+        s.coord.refit()
+
+    assert s.control.get(_commit_key(0)) == before and s.commit_keys() == [_commit_key(0)]
+    assert len(s.attempt_keys(1)) == 1  # retries cannot help: none was tried
+    refused = s.events.index("owners", "verify-refused", 1)
+    assert max(s.events.index(e, "apply", 1, 0) for e in ("e0", "e1")) < refused
+    for e in s.engines:
+        assert s.events.of(e.name, "commit") == []
+        assert s.events.of(e.name, "restore") == [(e.name, "restore", 0)]
+        assert e.digest() == f"{e.name}:v0"
+    assert s.events.of("owners", "abort") == [("owners", "abort", 1, 0)]
+    assert s.events.of("owners", "commit") == []
+
+    s.owners.moved.clear()  # the trainer holds still: the next refit commits (a retry)
+    result = s.coord.refit()
+    assert result.version == 1 and result.record.attempt == 1
+    assert result.record.digests == {"e0": "e0:v1a1", "e1": "e1:v1a1"}
 
 
 def test_a_new_coordinator_resumes_a_commit_the_old_one_did_not_announce(tmp_path: Path) -> None:

@@ -21,9 +21,11 @@ out to every trainer rank / every engine rank behind them):
    (`seam.open_sink(...).abandon`: a marker in the store, or an abandon message down the relay
    tree) so waiting engines stop at once (their partial applies make them dirty; the fence and
    the overwrite retry repair that).
-4. Joint commit: only when every required engine ACKed ok, the coordinator compare-and-sets
-   the commit record (version, baseline id, attempt, engines, per-engine digests). Then
-   engines and owners are told to commit (owners advance their baselines in place).
+4. Joint commit: only when every required engine ACKed ok and the owners' candidate guard
+   (``owners.verify``: the trainer's weights still are what the attempt was built from) passed,
+   the coordinator compare-and-sets the commit record (version, baseline id, attempt, engines,
+   per-engine digests). Then engines and owners are told to commit (owners advance their
+   baselines in place).
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
@@ -31,6 +33,10 @@ restored to the committed version with a dense load (restarting them where the h
 membership changes only here, between attempts; then the next attempt (a retry) starts. After
 ``max_attempts`` the transition raises `RefitFailed` and leaves the committed version in force
 (engines that applied part of it are dirty until a later retry or dense load repairs them).
+
+`CandidateChanged` (from the guard, or from a retry's build) ends the transition at once:
+the attempt is fenced, every engine is restored to the committed version (dense load) and
+`RefitFailed` says so; nothing is committed. The next `refit` builds from the current weights.
 
 A new coordinator calls `resume()`: if the commit record is ahead of the participants (the old
 coordinator died after the compare-and-set), it finishes the commit on them; otherwise the next
@@ -57,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
-from shared_codec.errors import DCRError, RefitFailed
+from shared_codec.errors import CandidateChanged, DCRError, RefitFailed
 from shared_codec.transport.seam import SINK_KINDS, open_sink, parse_spec
 from shared_codec.transport.store import ObjectStore
 
@@ -71,6 +77,11 @@ class Owners(Protocol):
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
         """Construct and publish attempt `attempt` of `version` (payloads, then manifest).
         Returns at least ``baseline_id`` plus whatever the owners report (bytes, times)."""
+        ...
+
+    def verify(self, version: int) -> None:
+        """The candidate guard: raise `CandidateChanged` if the trainer's weights moved since
+        `version` was built (called before the compare-and-set)."""
         ...
 
     def commit(self, version: int) -> None: ...
@@ -122,6 +133,7 @@ class AttemptResult:
     failed: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)  # raised or missed the deadline
     seconds: dict[str, float] = field(default_factory=dict)
+    candidate_changed: bool = False  # the owners' weights moved after the build
 
 
 @dataclass
@@ -245,10 +257,19 @@ class Coordinator:
             res = self._attempt(version, attempt, retry)
             attempts.append(res)
             if res.ok:
+                self._verify(version, res)
+            if res.ok:
                 t0 = time.perf_counter()
                 record = self._commit(version, committed, res)
                 res.seconds["commit"] = time.perf_counter() - t0
                 return RefitResult(version=version, record=record, attempts=attempts)
+            if res.candidate_changed:  # retries cannot help: every engine back to committed
+                res.unreachable.update(r.name for r in self.engines)
+                self._fence(version, res)
+                raise RefitFailed(
+                    f"refit to version {version} refused: {res.failed['owners']}; nothing "
+                    f"committed, every engine restored to committed version {committed}"
+                )
             self._fence(version, res)
         raise RefitFailed(
             f"refit to version {version} failed after {len(attempts)} attempts: "
@@ -277,6 +298,7 @@ class Coordinator:
             res.owners = self.owners.build(version, attempt, retry)
         except Exception as e:
             res.failed["owners"] = f"{type(e).__name__}: {e}"
+            res.candidate_changed = isinstance(e, CandidateChanged)
             if pipelined:
                 try:
                     self.abandon(version, attempt, res.failed["owners"])
@@ -297,6 +319,16 @@ class Coordinator:
         if not res.ok:
             self.log(f"version {version} attempt {attempt} failed: {res.failed}")
         return res
+
+    def _verify(self, version: int, res: AttemptResult) -> None:
+        """Every engine ACKed: the owners' candidate guard, before the compare-and-set."""
+        try:
+            self.owners.verify(version)
+        except Exception as e:
+            res.ok = False
+            res.failed["owners"] = f"verify: {type(e).__name__}: {e}"
+            res.candidate_changed = isinstance(e, CandidateChanged)
+            self.log(f"version {version} attempt {res.attempt} not committed: {e}")
 
     def _collect(self, res: AttemptResult, futures: dict[str, Any], deadline: float) -> None:
         timeout = self.config.ack_timeout_s

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared_codec.errors import DCRError
+from shared_codec.errors import CandidateChanged, DCRError
 
 
 class RemoteOwners:
@@ -53,12 +53,18 @@ class RemoteOwners:
             )
         reply = json.loads(sock.recv())
         if not reply.get("ok"):
-            raise DCRError(f"owner service {op!r} failed: {reply.get('error')}")
+            error = DCRError
+            if reply.get("error_type") == "CandidateChanged":
+                error = CandidateChanged
+            raise error(f"owner service {op!r} failed: {reply.get('error')}")
         return dict(reply)
 
     # -- coordinator Owners protocol -------------------------------------------------------------
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
         return self.call("build", version=version, attempt=attempt, retry=retry)
+
+    def verify(self, version: int) -> None:
+        self.call("verify", version=version)
 
     def commit(self, version: int) -> None:
         self.call("commit", version=version)

@@ -26,7 +26,7 @@ from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
 from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
 from megatron_dcr_hooks.tasks import TaskKind, classify_tasks
 from shared_codec.checkpoint import bits_equal
-from shared_codec.errors import OwnerBuildError, ProtocolError
+from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
 from shared_codec.format import decode_payload
 from shared_codec.records import Kind, apply_items
 
@@ -204,6 +204,57 @@ def test_out_of_order_calls_are_protocol_errors(groups: ParallelGroups) -> None:
         hook.build(1)
 
 
+@pytest.mark.parametrize("mode", ["X", "F"])
+@pytest.mark.parametrize("moved", ["col", "norm", "emb"])
+def test_candidate_guard_refuses_commit_and_retry_after_the_weights_moved(
+    groups: ParallelGroups, mode: str, moved: str
+) -> None:
+    """An optimizer step between build and commit: commit() and the overwrite retry refuse
+    (naming the parameter), nothing advances or is emitted; a build from the current weights
+    records the new candidate, which then commits."""
+    model = FakeModel()
+    hook = DCRHook([model], _config(mode=mode), groups=groups)
+    baseline = {i: t.clone() for i, t in hook.trackers.items()}
+    residual = {n: t.clone() for n, t in hook.residual_baseline.items()}
+    model.perturb(6)
+    hook.build(1, 0)
+    hook.verify_candidate(1)  # unchanged: passes, twice
+    hook.verify_candidate(1)
+    with torch.no_grad():  # the "optimizer step": one element of one parameter
+        getattr(model, moved).view(-1)[3] += 1.0
+    with pytest.raises(CandidateChanged, match=rf"changed after version 1 was built \({moved}\)"):
+        hook.commit()
+    assert hook.committed_version == 0
+    assert all(torch.equal(baseline[i], t) for i, t in hook.trackers.items())
+    assert all(torch.equal(residual[n], t) for n, t in hook.residual_baseline.items())
+
+    hook.build(1, 0)  # the trainer rebuilds the version from its current weights
+    hook.payloads.clear()
+    getattr(model, moved).data.view(-1)[5] += 1.0
+    with pytest.raises(CandidateChanged, match=moved):
+        hook.build(1, 1, retry=True)
+    assert hook.payloads == []  # refused before emitting anything
+
+    v0 = {n: t.clone() for n, t in FakeModel().export().items()}
+    hook.build(1, 2, retry=True)  # the stale record was dropped: builds from the weights now
+    state = dict(v0)
+    apply_items(state, _items(hook.payloads))
+    assert all(bits_equal(state[n], t) for n, t in model.export().items())
+    hook.commit()
+    assert hook.committed_version == 1
+
+
+def test_verify_without_a_build_of_that_version_is_a_protocol_error(
+    groups: ParallelGroups,
+) -> None:
+    hook = DCRHook([FakeModel()], _config(), groups=groups)
+    with pytest.raises(ProtocolError, match="no build of version 1"):
+        hook.verify_candidate(1)
+    hook.build(1)
+    with pytest.raises(ProtocolError, match=r"no build of version 2 to verify \(last build: 1\)"):
+        hook.verify_candidate(2)
+
+
 def test_sink_failure_is_an_owner_build_error_and_keeps_the_baseline(
     groups: ParallelGroups,
 ) -> None:
@@ -269,5 +320,13 @@ def test_owner_service_reduces_over_the_hooks_groups(
     assert any(k.endswith("manifest.json") for k in store.list(""))
     bad = svc.handle({"op": "commit", "version": 2})
     assert not bad["ok"] and "ProtocolError" in bad["error"]
+    assert svc.handle({"op": "verify", "version": 1})["ok"]
     assert svc.handle({"op": "commit", "version": 1})["committed_version"] == 1
     assert svc.handle({"op": "status"})["committed_version"] == 1
+    model.perturb(7)
+    assert svc.handle({"op": "build", "version": 2, "attempt": 0})["ok"]
+    model.perturb(8)  # a step between build and commit
+    moved = svc.handle({"op": "verify", "version": 2})
+    assert not moved["ok"] and moved["error_type"] == "CandidateChanged", moved
+    retry = svc.handle({"op": "build", "version": 2, "attempt": 1, "retry": True})
+    assert retry["ok"]  # the stale record was dropped by the failed verify

@@ -39,6 +39,9 @@ class CheckpointOwners:
             sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
         return {"baseline_id": f"ckpt-v{version - 1}", "payloads": len(payloads)}
 
+    def verify(self, version: int) -> None:
+        pass  # checkpoints do not move after the build
+
     def commit(self, version: int) -> None:
         pass
 
