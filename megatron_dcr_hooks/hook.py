@@ -216,6 +216,8 @@ class DCRHook:
         self._candidate: int | None = None
         # candidate guard: (version, {task index: fingerprint}) of the last build
         self._built: tuple[int, dict[int, bytes]] | None = None
+        self._open = False  # a build since the last commit or abort
+        self._rebuilt = False  # the open version was built again (engines may hold either)
         self.last_report: BuildReport | None = None
         self._init_residual_baseline()
         warm_up()  # compile the detection scan now, not inside the first optimizer step
@@ -315,7 +317,9 @@ class DCRHook:
         rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
         rep.seconds = time.perf_counter() - t0
         self._candidate = version
-        self._built = (version, fingerprints)
+        if not retry:  # e.g. a wrapped optimizer step again before the coordinator committed
+            self._rebuilt = self._open and self._built is not None and self._built[0] == version
+        self._built, self._open = (version, fingerprints), True
         self.last_report = rep
         log.info(
             "dcr build v%d attempt %d%s: %d payloads, %d bytes, %d entries (%d XOR), change rate "
@@ -420,6 +424,13 @@ class DCRHook:
     def verify_candidate(self, version: int) -> None:
         """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
         of `version` built from (one detection scan of the owned shards; changes nothing)."""
+        if self._rebuilt and self._built is not None and self._built[0] == version:
+            self._built, self._rebuilt = None, False
+            raise CandidateChanged(
+                f"rank {self.rank}: version {version} was built again (another optimizer step) "
+                "before it was committed or aborted; the engines may hold either build. Nothing "
+                "committed: build the version again from the current weights"
+            )
         if self._built is None or self._built[0] != version:
             built = None if self._built is None else self._built[0]
             raise ProtocolError(
@@ -455,11 +466,12 @@ class DCRHook:
                 self.residual_baseline[name].copy_(new)
         self._pending_residual.clear()
         self.committed_version = self._candidate
-        self._candidate = None
+        self._candidate, self._open = None, False
 
     def abort(self) -> None:
         """The attempt failed: keep the committed baseline (a retry rebuilds from it)."""
         self._pending_residual.clear()
+        self._open = False
 
     def after_step(self) -> BuildReport | None:
         """Called after each optimizer step: builds the next version's delta (attempt 0)."""

@@ -287,7 +287,8 @@ def test_enable_dcr_passes_the_groups_and_wraps_the_step(groups: ParallelGroups)
             self.ok = True
 
         def step(self) -> tuple[bool, float, int]:
-            model.perturb(4)
+            if self.ok:  # a skipped step (non-finite gradients) leaves the weights alone
+                model.perturb(4)
             return self.ok, 1.0, 0
 
     opt = FakeOptimizer()
@@ -299,6 +300,15 @@ def test_enable_dcr_passes_the_groups_and_wraps_the_step(groups: ParallelGroups)
     hook.last_report = None
     opt.step()  # a skipped step builds nothing
     assert hook.last_report is None
+    hook.verify_candidate(1)
+    opt.ok = True
+    opt.step()  # another step before the commit: version 1 is built again
+    with pytest.raises(CandidateChanged, match="version 1 was built again"):
+        hook.commit()
+    assert hook.committed_version == 0
+    hook.build(1, 0)  # the coordinator's next attempt builds it from the current weights
+    hook.commit()
+    assert hook.committed_version == 1
 
 
 def test_owner_service_reduces_over_the_hooks_groups(
