@@ -14,7 +14,7 @@ One transition (every rank calls, in the same order; collectives inside):
 candidate weights as overwrites.
 
 Candidate guard (paper Proposition 1 assumes the candidate stays fixed until the commit): every
-build records a 16-byte fingerprint per owned shard of what it built from (BLAKE2b of the
+build records a 20-byte fingerprint per owned shard of what it built from (SHA-1 of the
 changed indices and their new stored bits against the tracker; of the whole shard in mode F).
 `verify_candidate` recomputes them; `commit()` and an overwrite retry call it first and raise
 `CandidateChanged` naming the moved parameters instead of advancing a baseline the engines do
@@ -479,9 +479,9 @@ class DCRHook:
 
 
 def _fingerprint(cur_bits: np.ndarray, local: np.ndarray | None) -> bytes:
-    """16 bytes naming a shard's candidate: its changed indices and their new stored bits (the
+    """20 bytes naming a shard's candidate: its changed indices and their new stored bits (the
     whole shard when `local` is None)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha1(usedforsecurity=False)  # detects accidental change; ~3x BLAKE2b's speed
     if local is None:
         h.update(np.ascontiguousarray(cur_bits).data)
     else:
