@@ -17,6 +17,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,26 @@ def _dcr_verify(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)  # fmt: skip
 
 
-class LossyOwners:
+class WrappedOwners:
+    """Delegates the owner protocol to the real owner service (`inner`); subclasses change
+    `build`."""
+
+    inner: Any
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict:
+        return self.inner.build(version, attempt, retry)
+
+    def verify(self, version: int) -> None:
+        self.inner.verify(version)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+
+    def abort(self, version: int, attempt: int) -> None:
+        self.inner.abort(version, attempt)
+
+
+class LossyOwners(WrappedOwners):
     """Wraps the real owner service: deletes the last payload of attempt 0 from the store after
     it was published (a payload lost in transport); when the retry is built, first delivers
     attempt 0's payloads late to every receiver and records the refusal, then (after the retry
@@ -67,17 +87,8 @@ class LossyOwners:
                 self.duplicates.append(again)
         return out
 
-    def verify(self, version: int) -> None:
-        self.inner.verify(version)
 
-    def commit(self, version: int) -> None:
-        self.inner.commit(version)
-
-    def abort(self, version: int, attempt: int) -> None:
-        self.inner.abort(version, attempt)
-
-
-class FailingOwners:
+class FailingOwners(WrappedOwners):
     """Wraps the real owner service: the first build fails before publishing anything (a
     trainer rank lost while the pipelined receivers already wait for payloads); later builds
     are real."""
@@ -92,17 +103,8 @@ class FailingOwners:
             raise RuntimeError("owner rank 1 lost")
         return self.inner.build(version, attempt, retry)
 
-    def verify(self, version: int) -> None:
-        self.inner.verify(version)
 
-    def commit(self, version: int) -> None:
-        self.inner.commit(version)
-
-    def abort(self, version: int, attempt: int) -> None:
-        self.inner.abort(version, attempt)
-
-
-class SteppingOwners:
+class SteppingOwners(WrappedOwners):
     """Wraps the real owner service: right after the first build, the trainer takes another
     optimizer step (an async trainer stepping between build and commit)."""
 
@@ -115,15 +117,6 @@ class SteppingOwners:
             self.stepped = True
             self.inner.call("train", step=7)
         return out
-
-    def verify(self, version: int) -> None:
-        self.inner.verify(version)
-
-    def commit(self, version: int) -> None:
-        self.inner.commit(version)
-
-    def abort(self, version: int, attempt: int) -> None:
-        self.inner.abort(version, attempt)
 
 
 def _check_exact(cluster: Cluster, version: int) -> None:

@@ -120,15 +120,20 @@ _INIT_FIELDS = set(DCRInitInfo.__dataclass_fields__)
 _UPDATE_FIELDS = set(DCRUpdateInfo.__dataclass_fields__)
 
 
+def _known_fields(d: Any, what: str, fields: set[str]) -> dict[str, Any]:
+    """`d` when it is a JSON object with only `fields` as keys."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{what} must be a JSON object, got {type(d).__name__}")
+    unknown = set(d) - fields
+    if unknown:
+        raise ValueError(f"unknown {what} field(s) {sorted(unknown)}")
+    return d
+
+
 def parse_init(d: Any) -> DCRInitInfo:
     """Validated `DCRInitInfo` from a plain dict; `ProtocolError` naming the bad field."""
     with arguments("init_weight_transfer_engine"):
-        if not isinstance(d, dict):
-            raise TypeError(f"init_info must be a JSON object, got {type(d).__name__}")
-        unknown = set(d) - _INIT_FIELDS
-        if unknown:
-            raise ValueError(f"unknown init_info field(s) {sorted(unknown)}")
-        info = DCRInitInfo(**d)
+        info = DCRInitInfo(**_known_fields(d, "init_info", _INIT_FIELDS))
         info.engine = _name(info.engine, "engine")
         info.session = _name(info.session, "session")
         info.control = store_spec(info.control)
@@ -148,12 +153,7 @@ def parse_init(d: Any) -> DCRInitInfo:
 def parse_update(d: Any) -> DCRUpdateInfo:
     """Validated `DCRUpdateInfo` from a plain dict; `ProtocolError` naming the bad field."""
     with arguments("update_weights"):
-        if not isinstance(d, dict):
-            raise TypeError(f"update_info must be a JSON object, got {type(d).__name__}")
-        unknown = set(d) - _UPDATE_FIELDS
-        if unknown:
-            raise ValueError(f"unknown update_info field(s) {sorted(unknown)}")
-        info = DCRUpdateInfo(**d)
+        info = DCRUpdateInfo(**_known_fields(d, "update_info", _UPDATE_FIELDS))
         info.version = integer(info.version, "version")
         info.base_version = integer(info.base_version, "base_version")
         info.attempt = integer(info.attempt, "attempt")
