@@ -10,6 +10,7 @@ of these scenarios is tests/test_coordinator.py.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -483,3 +484,41 @@ def test_owner_build_failure_abandons_waiting_pipelined_engines(tmp_path: Path) 
     assert s.events.of("owners", "abort") == [("owners", "abort", 1, 0)]
     assert a1.ok and a1.retry and result.record.attempt == 1
     assert result.record.digests == {"e0": "e0:v1a1", "e1": "e1:v1a1"}
+
+
+@pytest.mark.parametrize("keep", [2, 0])
+def test_retention_removes_what_older_versions_left_and_keeps_the_commit_history(
+    tmp_path: Path, keep: int
+) -> None:
+    """After each commit, payload objects (every attempt, real directory store), attempt
+    records and engine reports of versions older than the newest `keep` committed ones are
+    removed; commit records all stay; ``keep_versions=0`` keeps everything."""
+    s = Setup(tmp_path, pipelined=True, keep_versions=keep)
+    assert s.delivery is not None
+    payloads = s.delivery.store
+
+    def publish(version: int, attempt: int) -> None:  # what real owners and engines leave
+        payloads.put(f"{attempt_prefix(version, attempt)}rank0_000000.dcrp", b"payload")
+        payloads.put(f"{attempt_prefix(version, attempt)}manifest.json", b"{}")
+        report = f"reports/e0/v{version:012d}/a{attempt:06d}/update/rank0.json"
+        s.control.put(report, b"{}")
+
+    s.owners.on_build = publish
+    s.control.put("reports/e0/init/s0/rank0.json", b"{}")  # no version: kept
+    for _ in range(4):
+        s.coord.refit()
+    s.engines[0].script[0] = "nack"  # version 5 needs a retry: both attempts are kept
+    assert s.coord.refit().record.attempt == 1
+
+    def versions(store: DirectoryStore, prefix: str) -> set[int]:
+        found = (re.search(r"(?:^|/)v(\d{12})/", k) for k in store.list(prefix))
+        return {int(m.group(1)) for m in found if m}
+
+    kept = {4, 5} if keep == 2 else {1, 2, 3, 4, 5}
+    assert versions(payloads, "v") == kept
+    assert len(payloads.list(attempt_prefix(5, 0))) == len(payloads.list(attempt_prefix(5, 1))) == 2
+    assert versions(s.control, "attempts/") == kept
+    assert versions(s.control, "reports/e0/v") == kept
+    assert s.control.exists("reports/e0/init/s0/rank0.json")
+    assert s.commit_keys() == [_commit_key(v) for v in range(6)]
+    assert s.coord.committed_version() == 5

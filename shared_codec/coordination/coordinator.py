@@ -26,6 +26,8 @@ out to every trainer rank / every engine rank behind them):
    the coordinator compare-and-sets the commit record (version, baseline id, attempt, engines,
    per-engine digests). Then engines and owners are told to commit (owners advance their
    baselines in place).
+5. Retention (`retain`): payload objects, attempt records and engine reports of versions older
+   than the newest ``keep_versions`` committed ones are removed; commit records stay.
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -115,12 +118,14 @@ class CoordinatorConfig:
     """`max_attempts` per transition; `ack_timeout_s`: deadline for each engine's delivery +
     apply; `record_digests`: read every engine's digest into the commit record (a full hash of
     the weights on every rank: cheap for small models, seconds for large ones); `pipeline`: overlap
-    the engines' delivery + apply with the owners' build (module docstring, step 3)."""
+    the engines' delivery + apply with the owners' build (module docstring, step 3);
+    `keep_versions`: retention after each commit (`Coordinator.retain`; 0 keeps everything)."""
 
     max_attempts: int = 3
     ack_timeout_s: float = 600.0
     record_digests: bool = True
     pipeline: bool = True  # start engines with the build (needs a way to abandon attempts)
+    keep_versions: int = 2  # retention: versions older than the newest N committed go (0: keep)
 
 
 @dataclass
@@ -147,6 +152,10 @@ class RefitResult:
     @property
     def retries(self) -> int:
         return len(self.attempts) - 1
+
+
+# the version segment of a payload, attempt record or report key ("v<12 digits>/")
+_VERSION_IN_KEY = re.compile(r"(?:^|/)v(\d{12})/")
 
 
 def _attempt_key(version: int, attempt: int) -> str:
@@ -262,6 +271,9 @@ class Coordinator:
                 t0 = time.perf_counter()
                 record = self._commit(version, committed, res)
                 res.seconds["commit"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.retain(version)
+                res.seconds["retain"] = time.perf_counter() - t0
                 return RefitResult(version=version, record=record, attempts=attempts)
             if res.candidate_changed:  # retries cannot help: every engine back to committed
                 res.unreachable.update(r.name for r in self.engines)
@@ -319,6 +331,36 @@ class Coordinator:
         if not res.ok:
             self.log(f"version {version} attempt {attempt} failed: {res.failed}")
         return res
+
+    def retain(self, committed: int) -> dict[str, int]:
+        """Retention, after the commit of `committed`: remove what versions older than the
+        newest `keep_versions` committed ones left in the stores - their payload objects (every
+        attempt; the transport when it is an object store), attempt records and engine reports.
+        Commit records stay (the history). Never fails the transition: a store error is logged
+        and the next commit's pass removes what this one left. Returns the counts removed."""
+        keep = self.config.keep_versions
+        removed = {"payloads": 0, "attempts": 0, "reports": 0}
+        if keep <= 0:
+            return removed
+        last = committed - keep  # versions <= last go
+        targets: list[tuple[str, ObjectStore, str]] = [
+            ("attempts", self.control, ATTEMPTS),
+            ("reports", self.control, "reports/"),
+        ]
+        if self.transport is not None and self.transport["kind"] in ("dir", "s3"):
+            from shared_codec.transport.store import open_store
+
+            targets.append(("payloads", open_store(self.transport), "v"))
+        for what, store, prefix in targets:
+            try:
+                for key in store.list(prefix):
+                    m = _VERSION_IN_KEY.search(key)
+                    if m is not None and int(m.group(1)) <= last:
+                        store.delete(key)
+                        removed[what] += 1
+            except Exception as e:
+                self.log(f"retention of {what} after version {committed} failed: {e}")
+        return removed
 
     def _verify(self, version: int, res: AttemptResult) -> None:
         """Every engine ACKed: the owners' candidate guard, before the compare-and-set."""
