@@ -88,7 +88,10 @@ class DCRConfig:
     class names treated as residual.
     `queue_depth`: payloads buffered between construction and the sink (back-pressure).
     `wrap_step`: wrap ``optimizer.step``. `sink`: callable receiving each payload (bytes); the
-    default keeps payloads in ``hook.payloads``.
+    default keeps payloads in ``hook.payloads``. `candidate_guard` (default on): fingerprint each
+    build and verify it before commit and retry (module docstring); it costs a hash of the
+    changed elements per build and one detection scan per verify, so a trainer that provably
+    never steps between build and commit (e.g. driven by the coordinator) may turn it off.
     """
 
     model_type: str = "qwen3"
@@ -102,6 +105,7 @@ class DCRConfig:
     wrap_step: bool = True
     encode_threads: int = 2
     sink: Sink | None = None
+    candidate_guard: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -299,7 +303,8 @@ class DCRHook:
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
                 local = changed_indices(cur_bits, base_bits)
-                fingerprints[t.index] = _fingerprint(cur_bits, local)
+                if self.config.candidate_guard:
+                    fingerprints[t.index] = _fingerprint(cur_bits, local)
                 rep.detect_seconds += time.perf_counter() - td
                 if not local.size:
                     continue
@@ -414,16 +419,21 @@ class DCRHook:
 
     def _shard_state(self, t: Task) -> tuple[bytes, bool]:
         """(fingerprint, changed since the commit) of an owned shard's current stored bits."""
-        cur = tensor_bits(t.param.detach().to("cpu"))
+        guard = self.config.candidate_guard
         base = self.trackers.get(t.index)
         if base is None:  # mode F keeps no trackers: the whole shard is the candidate
-            return _fingerprint(cur, None), True
+            cur = tensor_bits(t.param.detach().to("cpu")) if guard else None
+            return (_fingerprint(cur, None) if cur is not None else b""), True
+        cur = tensor_bits(t.param.detach().to("cpu"))
         local = changed_indices(cur, tensor_bits(base))
-        return _fingerprint(cur, local), bool(local.size)
+        return (_fingerprint(cur, local) if guard else b""), bool(local.size)
 
     def verify_candidate(self, version: int) -> None:
         """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
-        of `version` built from (one detection scan of the owned shards; changes nothing)."""
+        of `version` built from (one detection scan of the owned shards; changes nothing).
+        With ``candidate_guard=False`` it checks nothing."""
+        if not self.config.candidate_guard:
+            return
         if self._rebuilt and self._built is not None and self._built[0] == version:
             self._built, self._rebuilt = None, False
             raise CandidateChanged(

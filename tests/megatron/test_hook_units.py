@@ -244,6 +244,24 @@ def test_candidate_guard_refuses_commit_and_retry_after_the_weights_moved(
     assert hook.committed_version == 1
 
 
+def test_candidate_guard_off_checks_nothing(groups: ParallelGroups) -> None:
+    """``candidate_guard=False`` (a trainer that never steps between build and commit): no
+    fingerprints, verify and commit do not scan, and the builds stay exact."""
+    model = FakeModel()
+    hook = DCRHook([model], _config(candidate_guard=False), groups=groups)
+    v0 = model.export()
+    model.perturb(9)
+    v1 = model.export()
+    hook.build(1, 0)
+    assert hook._built is not None and set(hook._built[1].values()) <= {b""}  # none computed
+    state = dict(v0)
+    apply_items(state, _items(hook.payloads))
+    assert all(bits_equal(state[n], v1[n]) for n in v1)
+    hook.verify_candidate(1)  # checks nothing
+    hook.commit()
+    assert hook.committed_version == 1
+
+
 def test_verify_without_a_build_of_that_version_is_a_protocol_error(
     groups: ParallelGroups,
 ) -> None:
