@@ -94,6 +94,12 @@ def test_demo_rl_loop_with_kills_matches_dense_refits(tmp_path: Path) -> None:
     dcr = _demo(tmp_path, "dcr", "--kill-every", "2", steps=steps)
     dense = _demo(tmp_path, "dense", "--refit", "dense", steps=steps)
     _check_same_run(dcr, dense, steps)
+    # retention through the relay tree (keep_versions=2): both nodes' spools hold only the
+    # newest two committed versions' files
+    for node in ("root", "rollout0"):
+        spool = tmp_path / "dcr" / "work" / f"spool-{node}"
+        found = (re.match(r"(?:[a-z]+-)?v(\d{12})", f.name) for f in spool.iterdir())
+        assert {int(m.group(1)) for m in found if m} == {steps - 1, steps}, node
     assert (tmp_path / "dcr" / "report.png").stat().st_size > 1000
     assert "data:image/png;base64," in (tmp_path / "dcr" / "report.html").read_text()
 

@@ -26,8 +26,9 @@ out to every trainer rank / every engine rank behind them):
    the coordinator compare-and-sets the commit record (version, baseline id, attempt, engines,
    per-engine digests). Then engines and owners are told to commit (owners advance their
    baselines in place).
-5. Retention (`retain`): payload objects, attempt records and engine reports of versions older
-   than the newest ``keep_versions`` committed ones are removed; commit records stay.
+5. Retention (`retain`): payloads (object-store objects, or relay spools and delivered sets
+   through the tree's ``Forget``), attempt records and engine reports of versions older than
+   the newest ``keep_versions`` committed ones are removed; commit records stay.
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
@@ -67,7 +68,7 @@ from typing import Any, Protocol
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
 from shared_codec.errors import CandidateChanged, DCRError, RefitFailed
-from shared_codec.transport.seam import SINK_KINDS, open_sink, parse_spec
+from shared_codec.transport.seam import SINK_KINDS, forget, open_sink, parse_spec
 from shared_codec.transport.store import ObjectStore
 
 ATTEMPTS = "attempts/"
@@ -334,32 +335,30 @@ class Coordinator:
 
     def retain(self, committed: int) -> dict[str, int]:
         """Retention, after the commit of `committed`: remove what versions older than the
-        newest `keep_versions` committed ones left in the stores - their payload objects (every
-        attempt; the transport when it is an object store), attempt records and engine reports.
-        Commit records stay (the history). Never fails the transition: a store error is logged
-        and the next commit's pass removes what this one left. Returns the counts removed."""
+        newest `keep_versions` committed ones left - their payloads on the transport (every
+        attempt: object-store objects, or relay spools and delivered sets through the tree's
+        `Forget`, `seam.forget`), attempt records and engine reports. Commit records stay (the
+        history). Never fails the transition: an error is logged and the next commit's pass
+        removes what this one left. Returns the counts removed (relay: the root's files)."""
         keep = self.config.keep_versions
         removed = {"payloads": 0, "attempts": 0, "reports": 0}
         if keep <= 0:
             return removed
         last = committed - keep  # versions <= last go
-        targets: list[tuple[str, ObjectStore, str]] = [
-            ("attempts", self.control, ATTEMPTS),
-            ("reports", self.control, "reports/"),
-        ]
-        if self.transport is not None and self.transport["kind"] in ("dir", "s3"):
-            from shared_codec.transport.store import open_store
-
-            targets.append(("payloads", open_store(self.transport), "v"))
-        for what, store, prefix in targets:
+        for what, prefix in (("attempts", ATTEMPTS), ("reports", "reports/")):
             try:
-                for key in store.list(prefix):
+                for key in self.control.list(prefix):
                     m = _VERSION_IN_KEY.search(key)
                     if m is not None and int(m.group(1)) <= last:
-                        store.delete(key)
+                        self.control.delete(key)
                         removed[what] += 1
             except Exception as e:
                 self.log(f"retention of {what} after version {committed} failed: {e}")
+        if self.transport is not None and last >= 0:
+            try:
+                removed["payloads"] = forget(self.transport, last + 1, timeout_s=5.0)
+            except Exception as e:
+                self.log(f"retention of payloads after version {committed} failed: {e}")
         return removed
 
     def _verify(self, version: int, res: AttemptResult) -> None:

@@ -1,6 +1,7 @@
 """Transports: how payloads travel from owners to rollout nodes without a cross-cluster
 collective. One seam (`seam.py`): `open_sink(spec, ...)` on the trainer side and
-`open_source(spec)` on the rollout side, whatever the transport: object storage (`objects.py`)
+`open_source(spec)` on the rollout side (and `forget(spec, before_version)`, retention),
+whatever the transport: object storage (`objects.py`)
 over a local directory or any S3-compatible endpoint (`store.py`), or a ZeroMQ relay tree
 (`relay/`, imported on use: it needs pyzmq) whose nodes spool payloads for their engines.
 """
@@ -12,6 +13,7 @@ from shared_codec.transport.seam import (
     Seal,
     SealedAttempt,
     SinkReport,
+    forget,
     open_sink,
     open_source,
 )
@@ -28,6 +30,7 @@ __all__ = [
     "SealedAttempt",
     "SinkReport",
     "TransportError",
+    "forget",
     "open_sink",
     "open_source",
     "write_manifest",

@@ -377,16 +377,21 @@ class ObjectFetcher:
             yield self._get_checked(e["key"], e["size"], e["payload_id"])
 
 
-def cleanup(store: ObjectStore, committed_version: int, keep: int = 1) -> int:
-    """Delete every object of versions older than the last `keep` committed ones."""
-    oldest_kept = committed_version - keep + 1
+def forget(store: ObjectStore, before_version: int) -> int:
+    """Delete every payload object (every attempt, manifests and abandon notices included) of
+    versions below `before_version`; returns how many."""
     removed = 0
     for key in store.list("v"):
         try:
             version = int(key[1:13])
         except ValueError:
             continue
-        if version < oldest_kept:
+        if version < before_version:
             store.delete(key)
             removed += 1
     return removed
+
+
+def cleanup(store: ObjectStore, committed_version: int, keep: int = 1) -> int:
+    """Delete every object of versions older than the last `keep` committed ones."""
+    return forget(store, committed_version - keep + 1)

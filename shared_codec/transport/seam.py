@@ -13,6 +13,9 @@ Who calls what, per attempt (version v, attempt a):
    ``open_sink(spec, version=v, attempt=a).abandon(reason)`` (no owner: it sends nothing), so
    that sources streaming the attempt stop at once.
 3. Everyone: ``sink.close()`` (also a context manager).
+   Retention (the coordinator, after a commit): ``forget(spec, before_version)`` removes every
+   payload of older versions from the transport (object-store objects of every attempt, or
+   every relay node's spool files and delivered sets).
 4. Every rollout node: ``source = open_source(spec, key=...)``; ``source.fetch(v, a)`` yields
    every payload after the seal (waiting for it); ``source.stream(v, a, cancelled=...)`` yields
    payloads as they arrive, before the seal, and ends at the seal; both raise TransportError
@@ -165,6 +168,26 @@ def open_sink(
     from shared_codec.transport.store import open_store
 
     return ObjectSink(open_store(s), version=version, attempt=attempt, owner=owner)
+
+
+def forget(spec: str | Mapping[str, Any], before_version: int, timeout_s: float = 10.0) -> int:
+    """Retention on the transport `spec` names (sink kinds): remove every payload, manifest and
+    abandon notice of versions below `before_version`. Returns the number removed (object
+    store: objects; relay tree: the root's spool files - the root forwards the message to
+    every node, best effort, and a node that missed one catches up with the next)."""
+    s = parse_spec(spec, SINK_KINDS)
+    if s["kind"] == "relay":
+        from shared_codec.transport.relay.sender import sender_for
+
+        sender = sender_for(s, timeout_s)
+        try:
+            return sender.forget(int(before_version), timeout_s).removed
+        finally:
+            sender.close()
+    from shared_codec.transport.objects import forget as forget_objects
+    from shared_codec.transport.store import open_store
+
+    return forget_objects(open_store(s), int(before_version))
 
 
 def open_source(spec: str | Mapping[str, Any], *, key: bytes | None = None) -> PayloadSource:

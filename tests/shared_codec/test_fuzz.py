@@ -278,6 +278,8 @@ GOOD_MESSAGES = [
         m.ManifestAck(version=3, attempt=1, complete=False, failed=("n2",), node="n0"),
         m.Abandon(version=3, attempt=1, reason="owners failed"),
         m.AbandonAck(version=3, attempt=1),
+        m.Forget(before_version=2),
+        m.ForgetAck(before_version=2, node="n0", removed=5, keys=1),
         m.Refused(node="n0", error="why"),
     )
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,10 +27,11 @@ from shared_codec.transport.relay import (
     stream_spool,
     tree_children,
 )
+from shared_codec.transport.seam import forget
 from shared_codec.transport.store import TransportError
 
 
-def _payloads(owner: int, n_items: int = 6) -> list[bytes]:
+def _payloads(owner: int, n_items: int = 6, version: int = 1) -> list[bytes]:
     rng = np.random.default_rng(owner)
     items = []
     for t in range(n_items):
@@ -45,7 +47,9 @@ def _payloads(owner: int, n_items: int = 6) -> list[bytes]:
                 rng.integers(0, 1 << 16, idx.size).astype(np.uint16),
             )
         )
-    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=owner, sequence=0)
+    meta = PayloadMeta(
+        version=version, base_version=version - 1, attempt=0, owner=owner, sequence=0
+    )
     return encode_items(items, meta, BucketConfig(bucket_bytes=60_000, threads=0))
 
 
@@ -95,9 +99,14 @@ class Tree:
             )
         time.sleep(1.5)  # bind + connect
 
-    def delivered(self, i: int) -> list[str]:
-        log = self.dirs[i] / "delivery.log"
+    def delivered(self, i: int, version: int = 1) -> list[str]:
+        log = self.dirs[i] / f"delivery-v{version:012d}.log"
         return log.read_text().split() if log.exists() else []
+
+    def spooled_versions(self, i: int) -> set[int]:
+        """The versions any file in node `i`'s spool belongs to."""
+        found = (re.search(r"v(\d{12})", f.name) for f in self.dirs[i].iterdir())
+        return {int(m.group(1)) for m in found if m}
 
     def stop(self) -> None:
         for p in self.procs:
@@ -127,7 +136,8 @@ def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
             got = tree.delivered(i)
             assert sorted(got) == sorted(ids)  # exactly once each
             for pid in got:
-                assert (tree.dirs[i] / f"{pid}.bin").read_bytes() == everything[pid]
+                f = tree.dirs[i] / f"v{1:012d}-a{0:06d}-{pid}.bin"
+                assert f.read_bytes() == everything[pid]
         # a node's spool, read the way engines read it (dcr_fetch with a spool spec): every
         # payload of (version 1, attempt 0) in (owner, sequence) order, nothing of other attempts
         in_order = [p for o in sorted(owners) for p in owners[o]]
@@ -170,6 +180,50 @@ def test_stream_spool_yields_payloads_as_they_arrive_and_stops_on_abandon(tmp_pa
         sender.abandon(2, 0, "owners failed: rank 1 died")
         with pytest.raises(TransportError, match="abandoned by the coordinator: owners failed"):
             list(stream_spool(str(tree.dirs[3]), 2, 0, timeout_s=20))
+        sender.close()
+    finally:
+        tree.stop()
+
+
+@pytest.mark.zmq
+def test_forget_empties_every_spool_of_old_versions_and_refuses_their_stragglers(
+    tmp_path: Path,
+) -> None:
+    """Retention through the tree (`seam.forget` on the relay spec, as the coordinator sends it
+    after a commit): every node's spool keeps only versions >= before_version; a late payload
+    or manifest of a forgotten version is refused (never spooled again); the kept version
+    still reads whole; forgetting again is harmless."""
+    tree = Tree(tmp_path)
+    try:
+        spec = {"kind": "relay", "root": tree.addrs[0], "timeout_s": 20}
+        sender = RelaySender(tree.addrs[0], window=4)
+        sent: dict[int, list[bytes]] = {}
+        for v in (1, 2, 3):
+            sent[v] = _payloads(0, n_items=3, version=v)
+            for p in sent[v]:
+                sender.send(p)
+            ids = [peek_header(p, verify=False).payload_id_hex for p in sent[v]]
+            assert sender.complete(v, 0, ids, timeout_s=20).complete
+        assert all(tree.spooled_versions(i) == {1, 2, 3} for i in range(4))
+        # the payload files, the delivery log and the manifest notice of versions 1 and 2
+        assert forget(spec, 3) == sum(len(sent[v]) + 2 for v in (1, 2))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            tree.spooled_versions(i) != {3} for i in range(4)
+        ):
+            time.sleep(0.05)  # children forget when the forwarded message arrives
+        assert [tree.spooled_versions(i) for i in range(4)] == [{3}] * 4
+        assert read_spool(str(tree.dirs[3]), 3, 0) == sent[3]
+        assert read_spool(str(tree.dirs[3]), 1, 0) == []
+        with pytest.raises(TransportError, match="version 1 was forgotten"):
+            sender.send(sent[1][0])
+            sender.flush()
+        late = RelaySender(tree.addrs[0])
+        with pytest.raises(TransportError, match="version 2 was forgotten"):
+            late.complete(2, 0, [peek_header(sent[2][0], verify=False).payload_id_hex], 5)
+        late.close()
+        assert forget(spec, 2) == 0  # cumulative: nothing older is left
+        assert [tree.spooled_versions(i) for i in range(4)] == [{3}] * 4
         sender.close()
     finally:
         tree.stop()
@@ -234,13 +288,16 @@ def test_messages_round_trip_and_malformed_input_is_refused() -> None:
         m.ManifestAck(version=3, attempt=1, complete=False, failed=("n2",), node="n0"),
         m.Abandon(version=3, attempt=1, reason="owners failed"),
         m.AbandonAck(version=3, attempt=1),
+        m.Forget(before_version=2),
+        m.ForgetAck(before_version=2, node="n0", removed=5, keys=1),
         m.Refused(node="n0", error="why"),
     ):
         assert m.decode(m.encode(msg)) == msg
     for bad, why in (
         (b"\xff", "not JSON"),
         (b"[1]", "JSON object"),
-        (b'{"type": "forget", "attempt": 0}', "unknown relay message type"),
+        (b'{"type": "forgot", "attempt": 0}', "unknown relay message type"),
+        (b'{"type": "forget"}', "lacks 'before_version'"),
         (b'{"type": "manifest", "attempt": 0, "payload_ids": []}', "lacks 'version'"),
         (b'{"type": "abandon", "version": "1", "attempt": 0, "reason": ""}', "must be int"),
         (b'{"type": "abandon", "version": -1, "attempt": 0, "reason": ""}', r"\[0, 2\*\*64\)"),

@@ -3,7 +3,8 @@
 Contract: every payload an owner sends to the root reaches every node exactly once (duplicates
 are suppressed by payload id per (version, attempt)) with identical bytes; the manifest's
 completion acknowledgement (`RelaySender.complete`) says that every node of the tree holds every
-listed payload, or raises naming the dead or slow nodes; an abandon reaches every live node.
+listed payload, or raises naming the dead or slow nodes; an abandon reaches every live node; a
+forget (retention) empties every live node's spool and delivered sets of older versions.
 A node process (``python -m shared_codec.transport.relay CONFIG_JSON``) spools what it receives
 for the engines of its rollout node, which read it with `read_spool` / `stream_spool`.
 
@@ -25,8 +26,8 @@ described in docs/operations.md.
 
 Limitations:
 1. One manifest per message; payloads of several attempts may interleave.
-2. Nodes keep delivered payload ids and spools keep payload files until restarted or cleaned by
-   the operator (retention is a later issue).
+2. Nodes keep delivered payload ids and spools keep payload files until the coordinator's
+   retention (`Forget`, `seam.forget`) tells them to drop older versions.
 3. pyzmq is imported when a node serves or a sender connects (the ``zmq`` extra).
 """
 

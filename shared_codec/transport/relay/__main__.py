@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         deliver=spool.deliver,
         on_manifest=spool.on_manifest,
         on_abandon=spool.on_abandon,
+        on_forget=spool.forget,
         keys=keys,
         child_timeout_s=float(cfg.get("child_timeout_s", 5.0)),
     )

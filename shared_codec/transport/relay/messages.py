@@ -12,6 +12,8 @@ Kinds and who sends them (the module docstring of the package tells the protocol
 - `Manifest` (the attempt's payload ids: the party closing the attempt -> root -> children) and
   its `ManifestAck` (completion acknowledgement, aggregated up the tree);
 - `Abandon` (the coordinator gave the attempt up; root -> children) and its `AbandonAck`;
+- `Forget` (retention: the coordinator -> root -> children, after a commit: drop everything of
+  versions below `before_version`) and its `ForgetAck`;
 - `Refused` (a node could not parse a message: the sender learns why instead of timing out).
 
 Validation bounds (each failure is a `RelayMessageError`, never another exception): a frame
@@ -42,6 +44,8 @@ class Kind(StrEnum):
     MANIFEST_ACK = "manifest_ack"
     ABANDON = "abandon"
     ABANDON_ACK = "abandon_ack"
+    FORGET = "forget"
+    FORGET_ACK = "forget_ack"
     REFUSED = "refused"
 
 
@@ -108,6 +112,27 @@ class AbandonAck:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Forget:
+    """Retention: drop every payload, delivered id and notice of versions < `before_version`,
+    and refuse their late payloads (the coordinator, once newer versions are committed)."""
+
+    KIND: ClassVar[Kind] = Kind.FORGET
+    before_version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForgetAck:
+    """`node` forgot versions < `before_version`: `removed` spool files, `keys` (version,
+    attempt) delivered sets."""
+
+    KIND: ClassVar[Kind] = Kind.FORGET_ACK
+    before_version: int
+    node: str
+    removed: int
+    keys: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Refused:
     """`node` could not parse a message (`error` says why)."""
 
@@ -124,11 +149,31 @@ _ID_CHARS = frozenset("0123456789abcdef")
 _ID_LEN = 32
 _ID_FIELDS = frozenset({"payload_id", "payload_ids"})
 
-Message = Payload | PayloadAck | Manifest | ManifestAck | Abandon | AbandonAck | Refused
+Message = (
+    Payload
+    | PayloadAck
+    | Manifest
+    | ManifestAck
+    | Abandon
+    | AbandonAck
+    | Forget
+    | ForgetAck
+    | Refused
+)
 
 _CLASSES: dict[str, type] = {
     c.KIND.value: c
-    for c in (Payload, PayloadAck, Manifest, ManifestAck, Abandon, AbandonAck, Refused)
+    for c in (
+        Payload,
+        PayloadAck,
+        Manifest,
+        ManifestAck,
+        Abandon,
+        AbandonAck,
+        Forget,
+        ForgetAck,
+        Refused,
+    )
 }
 # JSON type accepted for each annotated field type (bool is not an int here)
 _CHECKS: dict[str, Any] = {

@@ -11,14 +11,19 @@ to it. For each message (`messages.py`) it:
   its subtree, or once its deadline passed: a child that did not answer in time, or a missing
   payload, makes the ack ``complete: false`` naming the node in ``failed``.
 - `Abandon`: forwards it (best effort), calls ``on_abandon``, answers an `AbandonAck`.
+- `Forget` (retention): forwards it (best effort), drops the delivered sets and pending
+  manifests of versions below ``before_version``, calls ``on_forget`` (the spool removes their
+  files) and answers a `ForgetAck`; from then on payloads of those versions are refused and
+  their manifests fail (a straggler cannot refill the spool). Forgetting is cumulative: a node
+  that missed one forgets the same versions with the next.
 - anything malformed: answers `Refused` with the reason and keeps serving.
 
 Back-pressure: socket high-water marks bound queued messages; a child whose queue is full, or
 that leaves a payload unacknowledged for ``child_timeout_s``, is failed (never blocks the node).
 
 Limitations:
-1. A node keeps the delivered payload ids of every (version, attempt) for its lifetime
-   (retention is a later issue; restart nodes between long runs).
+1. A node keeps the delivered payload ids of every version it has not been told to forget
+   (the coordinator sends `Forget` after each commit, `Coordinator.retain`).
 2. One manifest per (version, attempt) is pending at a time; a second replaces the first.
 """
 
@@ -35,6 +40,8 @@ from shared_codec.format import peek_header
 from shared_codec.transport.relay.messages import (
     Abandon,
     AbandonAck,
+    Forget,
+    ForgetAck,
     Manifest,
     ManifestAck,
     Payload,
@@ -132,17 +139,21 @@ class RelayNode:
         child_timeout_s: float = 10.0,
         on_manifest: Callable[[Manifest], None] | None = None,
         on_abandon: Callable[[Abandon], None] | None = None,
+        on_forget: Callable[[Forget], int] | None = None,
     ) -> None:
         """`children`: (name, address, server public key or None). `deliver(payload)`: hand a
         payload to this node's receivers; `on_manifest(manifest)`: every payload it lists was
-        delivered here; `on_abandon(abandon)`: the attempt was given up. All three run on the
-        node's thread, in arrival order."""
+        delivered here; `on_abandon(abandon)`: the attempt was given up; `on_forget(forget)`:
+        remove what versions below ``forget.before_version`` left (returns the number of files
+        removed). All four run on the node's thread, in arrival order."""
         self.name = name
         self.bind = bind
         self.children = list(children or [])
         self.deliver = deliver or (lambda p: None)
         self.on_manifest = on_manifest or (lambda m: None)
         self.on_abandon = on_abandon or (lambda a: None)
+        self.on_forget = on_forget or (lambda f: 0)
+        self.forgotten_before = 0  # versions below this were forgotten (retention)
         self.keys = keys
         self.hwm = hwm
         self.child_timeout_s = child_timeout_s
@@ -228,6 +239,14 @@ class RelayNode:
         if isinstance(msg, Payload):
             return self._on_payload(msg, frames, kids)
         if isinstance(msg, Manifest):
+            if msg.version < self.forgotten_before:
+                return ManifestAck(
+                    version=msg.version,
+                    attempt=msg.attempt,
+                    complete=False,
+                    failed=(f"{self.name} (version {msg.version} was forgotten: retention)",),
+                    node=self.name,
+                )
             p = _Pending(frames[0].bytes, msg, time.monotonic() + msg.timeout_s)
             sub = encode(dataclasses.replace(msg, timeout_s=max(0.5, msg.timeout_s - 1.0)))
             for name, s in kids.items():
@@ -250,7 +269,30 @@ class RelayNode:
                     pass
             self.on_abandon(msg)
             return AbandonAck(version=msg.version, attempt=msg.attempt)
+        if isinstance(msg, Forget):
+            return self._on_forget(msg, kids, pending)
         return Refused(node=self.name, error=f"a node does not accept {msg.KIND.value} messages")
+
+    def _on_forget(
+        self, msg: Forget, kids: dict[str, Any], pending: dict[Key, _Pending]
+    ) -> ForgetAck:
+        import zmq
+
+        for s in kids.values():  # best effort: forgetting is cumulative, the next one catches up
+            try:
+                s.send_multipart([encode(msg)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        self.forgotten_before = max(self.forgotten_before, msg.before_version)
+        old = [k for k in self.delivered if k[0] < self.forgotten_before]
+        for k in old:
+            del self.delivered[k]
+        for k in [k for k in pending if k[0] < self.forgotten_before]:
+            del pending[k]  # its sender gave up long ago (a newer version was committed)
+        removed = int(self.on_forget(msg))
+        return ForgetAck(
+            before_version=msg.before_version, node=self.name, removed=removed, keys=len(old)
+        )
 
     def _on_child_reply(self, name: str, frame: bytes, pending: dict[Key, _Pending]) -> None:
         try:
@@ -264,6 +306,8 @@ class RelayNode:
             p = pending.get((reply.version, reply.attempt))
             if p is not None:
                 p.child_acks[name] = reply
+        elif isinstance(reply, ForgetAck | AbandonAck):
+            pass  # best-effort notices: nothing waits on a child's answer
         elif isinstance(reply, Refused):
             self._failed_children.add(name)
 
@@ -285,6 +329,16 @@ class RelayNode:
                 ok=False,
                 node=self.name,
                 error="payload id, version or attempt does not match the header frame",
+            )
+        if msg.version < self.forgotten_before:
+            return PayloadAck(
+                payload_id=pid,
+                ok=False,
+                node=self.name,
+                error=(
+                    f"version {msg.version} was forgotten (retention: versions below "
+                    f"{self.forgotten_before}); a stale payload is not spooled"
+                ),
             )
         seen = self.delivered.setdefault((msg.version, msg.attempt), set())
         if pid in seen:

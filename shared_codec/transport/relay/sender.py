@@ -5,7 +5,8 @@ Call order: ``send(payload)`` for each payload (version and attempt come from it
 most `window` unacknowledged payloads in flight), ``flush()`` (every payload queued by the
 root), then, by the party that closes the attempt, ``complete(version, attempt, payload_ids)``
 (the tree's completion acknowledgement, or TransportError naming the failed nodes) or
-``abandon(version, attempt, reason)``; ``close()`` last.
+``abandon(version, attempt, reason)``; ``close()`` last. ``forget(before_version)`` (the
+coordinator's retention, after a commit) may be sent on any sender.
 
 Limitations:
 1. Not thread-safe: one sender per thread.
@@ -22,6 +23,8 @@ from shared_codec.format import peek_header
 from shared_codec.transport.relay.messages import (
     Abandon,
     AbandonAck,
+    Forget,
+    ForgetAck,
     Manifest,
     ManifestAck,
     Message,
@@ -128,9 +131,33 @@ class RelaySender:
             if isinstance(ack, AbandonAck) and (ack.version, ack.attempt) == (version, attempt):
                 return
 
+    def forget(self, before_version: int, timeout_s: float = 10.0) -> ForgetAck:
+        """Retention: every node drops what versions below `before_version` left (the root
+        answers once it did; it forwards the message down the tree, best effort)."""
+        self.sock.send_multipart([encode(Forget(before_version=before_version))])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ack = self._recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(ack, ForgetAck) and ack.before_version == before_version:
+                return ack
+
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+def sender_for(spec: dict[str, Any], timeout_s: float) -> RelaySender:
+    """A sender to the root a relay transport spec names (CURVE when it carries a secret)."""
+    keys = None
+    if spec.get("secret"):
+        keys = CurveKeys(str(spec["public"]).encode(), str(spec["secret"]).encode())
+    return RelaySender(
+        str(spec["root"]),
+        keys=keys,
+        root_public=str(spec["root_public"]).encode() if spec.get("root_public") else None,
+        window=int(spec.get("window", 16)),
+        ack_timeout_s=timeout_s,
+    )
 
 
 class RelaySink:
@@ -151,17 +178,7 @@ class RelaySink:
     @property
     def sender(self) -> RelaySender:
         if self._sender is None:
-            s = self.spec
-            keys = None
-            if s.get("secret"):
-                keys = CurveKeys(str(s["public"]).encode(), str(s["secret"]).encode())
-            self._sender = RelaySender(
-                str(s["root"]),
-                keys=keys,
-                root_public=str(s["root_public"]).encode() if s.get("root_public") else None,
-                window=int(s.get("window", 16)),
-                ack_timeout_s=self.timeout_s,
-            )
+            self._sender = sender_for(self.spec, self.timeout_s)
         return self._sender
 
     def send(self, payload: bytes) -> None:

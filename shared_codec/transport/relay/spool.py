@@ -5,36 +5,47 @@ on a spool, by engines) only here.
 
 Layout of a spool directory, every file written atomically (temporary name, then rename):
 
-    <payload id>.bin                                  one payload, as it arrived (immutable)
-    delivery.log                                      payload ids in arrival order
+    v<version:012>-a<attempt:06>-<payload id>.bin     one payload, as it arrived (immutable)
+    delivery-v<version:012>.log                       the version's payload ids, arrival order
     manifest-v<version:012>-a<attempt:06>.json        every payload the manifest lists is here
     abandoned-v<version:012>-a<attempt:06>.json       the coordinator gave the attempt up
 
-Readers route payloads by their header's (version, attempt); headers are checked here only for
-routing, receivers validate payloads fully when staging.
+Readers list only the files of the (version, attempt) they read (so a reader's cost does not
+grow with the spool) and check each header against its name; receivers validate payloads fully
+when staging. Retention (`SpoolWriter.forget`, on the tree's `Forget` message): every file of
+versions below the given one is removed.
 
 Limitations:
-1. Nothing is ever deleted here (retention is the operator's, see docs/operations.md).
-2. `stream_spool` remembers each payload file's (version, attempt) per process, so a spool
-   directory must not be reused for a different tree while an engine process runs.
+1. A payload file is named from its header's (version, attempt) when the node spools it; a
+   header that disagrees with its file name is reported (TransportError), never read as
+   another attempt's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from shared_codec.format import peek_header
-from shared_codec.transport.relay.messages import Abandon, Manifest
+from shared_codec.format import PayloadHeader, peek_header
+from shared_codec.transport.relay.messages import Abandon, Forget, Manifest
 from shared_codec.transport.seam import SealedAttempt
 from shared_codec.transport.store import TransportError
 
 
 def _marker(kind: str, version: int, attempt: int) -> str:
     return f"{kind}-v{version:012d}-a{attempt:06d}.json"
+
+
+def _payload_glob(version: int, attempt: int) -> str:
+    return f"v{version:012d}-a{attempt:06d}-*.bin"
+
+
+# the version of every file a spool writes (payloads, delivery logs, notices)
+_VERSION_IN_NAME = re.compile(r"^(?:[a-z]+-)?v(\d{12})[-.]")
 
 
 class SpoolWriter:
@@ -50,10 +61,24 @@ class SpoolWriter:
         os.replace(tmp, self.root / name)
 
     def deliver(self, payload: bytes) -> None:
-        pid = peek_header(payload, verify=False).payload_id_hex
-        self._write(f"{pid}.bin", payload)
-        with open(self.root / "delivery.log", "a") as log:
+        h = peek_header(payload, verify=False)
+        m, pid = h.meta, h.payload_id_hex
+        self._write(f"v{m.version:012d}-a{m.attempt:06d}-{pid}.bin", payload)
+        with open(self.root / f"delivery-v{m.version:012d}.log", "a") as log:
             log.write(pid + "\n")
+
+    def forget(self, f: Forget) -> int:
+        """Remove every file of versions below ``f.before_version``; returns how many."""
+        removed = 0
+        for entry in os.scandir(self.root):
+            m = _VERSION_IN_NAME.match(entry.name)
+            if m is not None and int(m.group(1)) < f.before_version:
+                try:
+                    os.unlink(entry.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
 
     def on_manifest(self, m: Manifest) -> None:
         body = {"version": m.version, "attempt": m.attempt, "payload_ids": list(m.payload_ids)}
@@ -102,20 +127,27 @@ def read_spool(directory: str, version: int, attempt: int) -> list[bytes]:
     order, as they are now (no waiting: call it after the tree's completion acknowledgement,
     or after `wait_manifest`)."""
     found = []
-    for f in sorted(Path(directory).glob("*.bin")):
+    for f in sorted(Path(directory).glob(_payload_glob(version, attempt))):
         data = f.read_bytes()
-        try:
-            m = peek_header(data, verify=False).meta
-        except Exception as e:  # a spool only holds what the node validated; report, skip none
-            raise TransportError(f"spooled payload {f.name} is unreadable: {e}") from None
-        if (m.version, m.attempt) == (version, attempt):
-            found.append(((m.owner, m.sequence), data))
+        m = _checked_header(f, data, version, attempt).meta
+        found.append(((m.owner, m.sequence), data))
     return [data for _, data in sorted(found, key=lambda x: x[0])]
 
 
-# spool directory -> {file name: (version, attempt)}: payload files are immutable (named by
-# payload id), so a process reads each one's header once
-_SPOOL_ROUTES: dict[str, dict[str, tuple[int, int]]] = {}
+def _checked_header(f: Path, data: bytes, version: int, attempt: int) -> PayloadHeader:
+    """The header of spooled payload file `f`, which must be of (`version`, `attempt`)."""
+    try:
+        h = peek_header(data, verify=False)
+    except Exception as e:  # a spool only holds what the node validated; report, skip none
+        raise TransportError(f"spooled payload {f.name} is unreadable: {e}") from None
+    if (h.meta.version, h.meta.attempt) != (version, attempt) or not f.name.endswith(
+        f"-{h.payload_id_hex}.bin"
+    ):
+        raise TransportError(
+            f"spooled payload {f.name} holds payload {h.payload_id_hex} of version "
+            f"{h.meta.version} attempt {h.meta.attempt}: its name says otherwise"
+        )
+    return h
 
 
 def stream_spool(
@@ -132,8 +164,8 @@ def stream_spool(
     attempt that the manifest does not list, or at `timeout_s` without a manifest notice.
     `cancelled()` true ends the stream quietly at the next poll (its consumer gave up)."""
     root = Path(directory)
+    pattern = _payload_glob(version, attempt)
     seen: set[str] = set()  # file names looked at in this call
-    known = _SPOOL_ROUTES.setdefault(str(root.resolve()), {})  # earlier calls' files
     ids: set[str] = set()  # payload ids of this attempt yielded
     deadline, delay = time.monotonic() + timeout_s, poll_s
     while True:
@@ -141,20 +173,12 @@ def stream_spool(
             return
         _check_abandoned(root, version, attempt)
         manifest = _manifest_ids(root, version, attempt)
-        fresh = sorted(f for f in root.glob("*.bin") if f.name not in seen) if root.exists() else []
+        fresh = sorted(f for f in root.glob(pattern) if f.name not in seen) if root.exists() else []
         for f in fresh:
             seen.add(f.name)
-            if f.name in known and known[f.name] != (version, attempt):
-                continue  # another attempt's payload, read by an earlier call
             data = f.read_bytes()
-            try:
-                h = peek_header(data, verify=False)
-            except Exception as e:
-                raise TransportError(f"spooled payload {f.name} is unreadable: {e}") from None
-            known[f.name] = (h.meta.version, h.meta.attempt)
-            if (h.meta.version, h.meta.attempt) == (version, attempt):
-                ids.add(h.payload_id_hex)
-                yield data
+            ids.add(_checked_header(f, data, version, attempt).payload_id_hex)
+            yield data
         if manifest is not None:
             stray = ids - manifest
             if stray:
