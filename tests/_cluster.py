@@ -55,7 +55,8 @@ class Cluster:
                 self.ckpt,
                 free_port(),
                 log=self.tmp / f"serve{i}.log",
-                env=base_env(**{faults.ENV: str(self.fault_plan(i))}),
+                # VLLM_PLUGINS=dcr: the general plugin and the /dcr/* endpoint plugin
+                env=base_env(**{faults.ENV: str(self.fault_plan(i)), "VLLM_PLUGINS": "dcr"}),
             )
             for i in range(self.n_receivers)
         ]

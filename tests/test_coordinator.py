@@ -13,6 +13,7 @@ version is checked bit for bit against a dense load of the trainer's export of t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import urllib.request
@@ -149,6 +150,17 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert all(a["pipelined"] and a["ranks"][0]["pipelined_parts"] > 2 for a in acks), acks
         assert coord.committed_version() == 1
         _check_exact(cluster, 1)  # leaves engine1 dense-loaded at v1: still clean at v1
+        # the endpoint plugin (VLLM_PLUGINS=dcr): the engine's status and metrics over HTTP
+        for r in cluster.receivers:
+            with urllib.request.urlopen(r.base_url + "/dcr/status", timeout=60) as resp:
+                status = json.loads(resp.read())
+            assert status["committed_version"] == 1
+            assert [(x["rank"], x["state"]) for x in status["ranks"]] == [(0, "clean")]
+            with urllib.request.urlopen(r.base_url + "/dcr/metrics", timeout=60) as resp:
+                metrics = resp.read().decode()
+            assert 'dcr_committed_version{rank="0"} 1.0' in metrics.splitlines()
+        applies = re.search(r'dcr_applies_total\{rank="0",result="ok"\} (\d+)', metrics)
+        assert applies is not None and int(applies.group(1)) >= 1, metrics
 
         # the request gate: while a completion streams on engine0, applying is refused and no
         # weight changes; once it has finished, the gate is open again
