@@ -1,4 +1,5 @@
-"""Apply delta items in place through the native loader (the apply half of intercept.py).
+"""Apply delta items in place: replayed placement, or through the native loader (the apply
+half of intercept.py).
 
 `apply_batch` gives each item of a batch its own region of the scratch buffer, runs
 ``model.load_weights`` once over all of them (a generator: the loader pulls item after item)
@@ -10,8 +11,11 @@ an item. One ``load_weights`` call per batch instead of per item matters: buildi
 ``AutoWeightsLoader`` walks every module on each call (~1 ms for a 166M model), more than the
 scatter of a small item.
 
-`apply_staged` runs the staged payloads of an attempt through `plan_batches` and `apply_batch`,
-counting into the ACK's `Tally` (ack.py) and reporting how far a failure got.
+`apply_staged` runs the staged payloads of an attempt, counting into the ACK's `Tally` (ack.py)
+and reporting how far a failure got: runs of items the placement plan holds go to
+`replay_batch` (placement.py: the loader's recorded copies, no ``load_weights`` call; the same
+`scatter_direct` as the loader path's direct writes), the others through `plan_batches` and
+`apply_batch`.
 
 Batches (`plan_batches`): consecutive direct-path items whose 64-byte-aligned sizes fit in the
 scratch buffer together; a masked-path item (a tensor prewarm found behind a transformed or cast
