@@ -65,10 +65,9 @@ from vllm_dcr_plugin.intercept import (
     param_snapshot,
     storage_key,
     tensors_in,
-    tensors_of,
     would_change,
 )
-from vllm_dcr_plugin.placement import PlacementPlan, replay_items
+from vllm_dcr_plugin.placement import PlacementPlan, current_tensors, replay_items
 from vllm_dcr_plugin.staging import StagedPayload, StagingArea
 
 log = logging.getLogger(__name__)
@@ -461,18 +460,29 @@ def apply_staged(
     partial (``tally.partial_item``), except after an `InjectedFailure`, raised before the next
     item is pulled. `counter` is the per-item hook of both paths (it counts pulled items and
     fires the test-only item faults)."""
-    storages = named_storages(model)
-    before = param_snapshot(model)
-    current = dict(tensors_of(model))
-    stale = plan.stale(current) if plan is not None else {}
-    if stale:
-        first = next(iter(stale.items()))
-        log.warning(
-            "placement plan stale for %d tensors (e.g. %s: %s); they go through load_weights "
-            "until dcr_prewarm or dcr_verify_plan records a new plan",
-            len(stale),
-            *first,
-        )
+    # model walks only when a loader batch runs; planned parameters are resolved by name
+    storages: dict[int, str] | None = None
+    before: dict[str, tuple[int, tuple[int, ...]]] | None = None
+    stale: dict[str, str] = {}
+    current: dict[str, torch.Tensor | None] = {}
+
+    def check_plan(items: list[DeltaItem]) -> None:
+        assert plan is not None
+        params = plan.params_of(it.name for it in items) - current.keys()
+        if not params:
+            return
+        now = current_tensors(model, params)
+        current.update(now)
+        found = plan.stale(now)
+        if found and not stale:
+            first = next(iter(found.items()))
+            log.warning(
+                "placement plan stale for %d tensors (e.g. %s: %s); they go through "
+                "load_weights until dcr_prewarm or dcr_verify_plan records a new plan",
+                len(found),
+                *first,
+            )
+        stale.update(found)
 
     def replayable(name: str) -> bool:
         return plan is not None and name in plan.tensors and name not in stale
@@ -491,6 +501,8 @@ def apply_staged(
         t0 = time.perf_counter()
         items = [it for it in payload.items if it.name not in skipped]
         tally.skipped_items += len(payload.items) - len(items)
+        if plan is not None:
+            check_plan(items)
         for replay, run in runs(items, replayable):
             batches = [run] if replay else plan_batches(run, scratch.numel(), masked)
             for batch in batches:
@@ -501,6 +513,8 @@ def apply_staged(
                         assert plan is not None
                         results = replay_batch(plan, batch, current, verify, counter)
                     else:
+                        if storages is None or before is None:
+                            storages, before = named_storages(model), param_snapshot(model)
                         results = apply_batch(
                             model,
                             batch,
@@ -532,7 +546,7 @@ def apply_staged(
                     tally.bytes += item.raw_bytes
                     if verify:
                         tally.mismatches += res.mismatches
-        if param_snapshot(model) != before:
+        if before is not None and param_snapshot(model) != before:
             raise LoaderConditionError("the loader rebound parameters during apply")
         tally.apply_s += time.perf_counter() - t0
         tally.payloads += 1
@@ -545,7 +559,7 @@ def apply_staged(
 def replay_batch(
     plan: PlacementPlan,
     batch: list[DeltaItem],
-    current: dict[str, torch.Tensor],
+    current: dict[str, torch.Tensor | None],
     verify: bool,
     before_item: Callable[[DeltaItem], None],
 ) -> list[ItemResult]:

@@ -93,12 +93,15 @@ class PlacementPlan:
     params: dict[str, TensorGeom] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)  # direct tensors kept on the loader
 
-    def stale(self, current: dict[str, torch.Tensor]) -> dict[str, str]:
+    def stale(self, current: dict[str, torch.Tensor | None]) -> dict[str, str]:
         """Planned tensors whose parameters changed since the trace -> why (empty: all valid).
-        `current`: name -> tensor of every parameter and buffer now (`tensors_of`)."""
+        `current`: name -> the tensor now (None: gone) of the planned parameters to check
+        (`current_tensors`); parameters not in `current` are not checked."""
         bad: dict[str, str] = {}
-        for name, geom in self.params.items():
-            t = current.get(name)
+        for name, t in current.items():
+            geom = self.params.get(name)
+            if geom is None:
+                continue
             if t is None:
                 bad[name] = "no longer in the model"
             elif TensorGeom.of(t) != geom:
@@ -112,6 +115,10 @@ class PlacementPlan:
             if e.param in bad
         }
 
+    def params_of(self, tensors: Iterable[str]) -> set[str]:
+        """The parameters the planned ones among `tensors` write."""
+        return {e.param for t in tensors for e in self.tensors.get(t, ())}
+
     def differences(self, fresh: PlacementPlan) -> dict[str, str]:
         """Tensors whose entries (or presence) differ between this plan and `fresh`."""
         out: dict[str, str] = {}
@@ -124,6 +131,23 @@ class PlacementPlan:
             elif any(self.params[e.param] != fresh.params[e.param] for e in mine):
                 out[name] = "parameter storage or geometry differs"
         return out
+
+
+def current_tensors(model: torch.nn.Module, names: Iterable[str]) -> dict[str, torch.Tensor | None]:
+    """Name -> the parameter or buffer registered under that name now (None when gone),
+    resolved through the module tree on every call (a replaced module or parameter is seen),
+    O(names) instead of a walk over every parameter."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        try:
+            mod = model.get_submodule(path) if path else model
+        except AttributeError:
+            out[name] = None
+            continue
+        t = mod._parameters.get(attr)
+        out[name] = t if t is not None else mod._buffers.get(attr)
+    return out
 
 
 def _extent(v: ViewGeom) -> tuple[int, int]:
@@ -185,7 +209,7 @@ def storage_words(t: torch.Tensor, itemsize: int) -> torch.Tensor:
 def replay_items(
     plan: PlacementPlan,
     items: list[DeltaItem],
-    current: dict[str, torch.Tensor],
+    current: dict[str, torch.Tensor | None],
     scatter: Callable[[DeltaItem, ViewGeom, torch.Tensor, ViewGeom], int],
     before_item: Callable[[DeltaItem], None] | None = None,
 ) -> list[tuple[int, set[str]]]:
@@ -203,7 +227,9 @@ def replay_items(
             key = (e.param, e.itemsize)
             w = words.get(key)
             if w is None:
-                w = words[key] = storage_words(current[e.param], e.itemsize)
+                t = current[e.param]
+                assert t is not None  # stale tensors never reach the replay
+                w = words[key] = storage_words(t, e.itemsize)
             n += scatter(item, e.src, w, e.dest)
             params.add(e.param)
         out.append((n, params))

@@ -34,9 +34,8 @@ from vllm_dcr_plugin import faults
 from vllm_dcr_plugin.ack import Ack, Tally
 from vllm_dcr_plugin.apply import apply_staged
 from vllm_dcr_plugin.capability import numel, probe
-from vllm_dcr_plugin.intercept import tensors_of
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
-from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan
+from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan, current_tensors
 from vllm_dcr_plugin.sources import attempt_payloads, payload_source, sealed_set
 from vllm_dcr_plugin.staging import (
     SealedSet,
@@ -147,7 +146,7 @@ class Receiver:
         if gate:
             raise ProtocolError(f"request gate closed for verify_plan: {gate}")
         old = self.plan or PlacementPlan()
-        stale = old.stale(dict(tensors_of(self.model)))
+        stale = old.stale(current_tensors(self.model, old.params))
         caps = probe(self.model, self.tensors, scratch, self.loader_condition())
         diff = old.differences(caps.plan)
         classes_changed = (
