@@ -13,7 +13,7 @@ Limitations:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared_codec.errors import ProtocolError
@@ -26,6 +26,8 @@ _COUNTS = (
     "elements_written",
     "bytes",
     "compressed_bytes",
+    "plan_items",
+    "loader_items",
 )
 
 
@@ -33,7 +35,9 @@ _COUNTS = (
 class Ack:
     """One rank's reply for (part of) an attempt. `post_apply_mismatches` is None unless
     `verified`; `partial_item` names the item a loader failure may have left half-written;
-    `pipelined_parts` is set on merged ACKs only."""
+    `plan_items` / `loader_items`: items replayed through the placement plan / applied through
+    ``load_weights``; `fallbacks`: direct-path items that went through the loader, by reason
+    (apply.apply_staged); `pipelined_parts` is set on merged ACKs only."""
 
     ok: bool
     attempt: int
@@ -46,6 +50,9 @@ class Ack:
     elements_written: int = 0
     bytes: int = 0
     compressed_bytes: int = 0
+    plan_items: int = 0
+    loader_items: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
     post_apply_mismatches: int | None = None
     verified: bool = False
     decode_s: float = 0.0
@@ -66,6 +73,7 @@ class Ack:
             "rank": self.rank,
             "target_version": self.target_version,
             **{k: getattr(self, k) for k in _COUNTS},
+            "fallbacks": dict(self.fallbacks),
             "post_apply_mismatches": self.post_apply_mismatches,
             "verified": self.verified,
             "timings": timings,
@@ -93,6 +101,10 @@ class Ack:
                 (a.target_version for a in acks if a.target_version is not None), None
             ),
             **{k: sum(getattr(a, k) for a in acks) for k in _COUNTS},
+            fallbacks={
+                why: sum(a.fallbacks.get(why, 0) for a in acks)
+                for why in sorted({w for a in acks for w in a.fallbacks})
+            },
             post_apply_mismatches=(
                 sum(a.post_apply_mismatches or 0 for a in acks)
                 if last.verified
@@ -123,6 +135,9 @@ class Tally:
     elements_written: int = 0
     bytes: int = 0
     compressed_bytes: int = 0
+    plan_items: int = 0
+    loader_items: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
     mismatches: int = 0
     decode_s: float = 0.0
     apply_s: float = 0.0
@@ -137,6 +152,7 @@ class Tally:
             rank=self.rank,
             target_version=self.target_version,
             **{k: getattr(self, k) for k in _COUNTS},
+            fallbacks=dict(self.fallbacks),
             post_apply_mismatches=self.mismatches if self.verify else None,
             verified=self.verify,
             decode_s=self.decode_s,

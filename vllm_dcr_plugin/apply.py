@@ -1,4 +1,5 @@
-"""Apply delta items in place through the native loader (the apply half of intercept.py).
+"""Apply delta items in place: replayed placement, or through the native loader (the apply
+half of intercept.py).
 
 `apply_batch` gives each item of a batch its own region of the scratch buffer, runs
 ``model.load_weights`` once over all of them (a generator: the loader pulls item after item)
@@ -10,8 +11,11 @@ an item. One ``load_weights`` call per batch instead of per item matters: buildi
 ``AutoWeightsLoader`` walks every module on each call (~1 ms for a 166M model), more than the
 scatter of a small item.
 
-`apply_staged` runs the staged payloads of an attempt through `plan_batches` and `apply_batch`,
-counting into the ACK's `Tally` (ack.py) and reporting how far a failure got.
+`apply_staged` runs the staged payloads of an attempt, counting into the ACK's `Tally` (ack.py)
+and reporting how far a failure got: runs of items the placement plan holds go to
+`replay_batch` (placement.py: the loader's recorded copies, no ``load_weights`` call; the same
+`scatter_direct` as the loader path's direct writes), the others through `plan_batches` and
+`apply_batch`.
 
 Batches (`plan_batches`): consecutive direct-path items whose 64-byte-aligned sizes fit in the
 scratch buffer together; a masked-path item (a tensor prewarm found behind a transformed or cast
@@ -35,6 +39,7 @@ Limitations:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,9 +67,13 @@ from vllm_dcr_plugin.intercept import (
     tensors_in,
     would_change,
 )
+from vllm_dcr_plugin.placement import PlacementPlan, current_tensors, replay_items
 from vllm_dcr_plugin.staging import StagedPayload, StagingArea
 
+log = logging.getLogger(__name__)
+
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+Check = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (storage words, offsets, expected)
 
 
 @dataclass
@@ -111,7 +120,7 @@ class ApplyHandler:
     scratch_key: int
     scratch_ptr: int
     verify: bool
-    _checks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _checks: list[Check] = field(default_factory=list)
 
     def _slot_of(self, src: torch.Tensor) -> Slot:
         pos = int(src.data_ptr()) - self.scratch_ptr
@@ -183,34 +192,11 @@ class ApplyHandler:
         return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
     def _direct(self, slot: Slot, src: torch.Tensor, dest: torch.Tensor) -> None:
-        item = slot.item
         g = ViewGeom.of(src)  # offsets relative to the item's region (its flat indices)
         g = ViewGeom(g.offset - slot.start // src.element_size(), g.shape, g.stride)
-        valid, dst_off = map_through_view(item.indices, g, ViewGeom.of(dest))
-        if not dst_off.size:
-            return
-        flat = flat_storage_bits(dest)
-        vals_np = item.values[valid] if not valid.all() else item.values
-        vals_np = vals_np.view(_NP_INT[dest.element_size()])
-        xor = item.kind == Kind.XOR
-        if dest.device.type == "cpu":  # compiled one-pass scatter (shared_codec.kernels)
-            arr = flat.numpy()
-            if self.verify:  # compute the expected bits explicitly, re-read them in check()
-                new_np = arr[dst_off] ^ vals_np if xor else vals_np.copy()
-                set_scatter(arr, dst_off, new_np)
-                self._checks.append((flat, torch.from_numpy(dst_off), torch.from_numpy(new_np)))
-            elif xor:
-                xor_scatter(arr, dst_off, vals_np)
-            else:
-                set_scatter(arr, dst_off, vals_np)
-        else:
-            idx = torch.from_numpy(dst_off).to(dest.device)
-            vals = torch.from_numpy(vals_np).to(dest.device)
-            new = flat[idx] ^ vals if xor else vals
-            flat[idx] = new
-            if self.verify:
-                self._checks.append((flat, idx, new.clone()))
-        slot.result.elements_written += int(dst_off.size)
+        slot.result.elements_written += scatter_direct(
+            slot.item, g, flat_storage_bits(dest), ViewGeom.of(dest), self._checks, self.verify
+        )
 
     def _masked(self, slot: Slot, param: str, src: torch.Tensor, dest: torch.Tensor) -> None:
         slot.result.path = "masked"
@@ -242,10 +228,51 @@ class ApplyHandler:
 
     def check(self) -> int:
         """Post-apply check: re-read every written element; returns the mismatch count."""
-        bad = 0
-        for flat, idx, expected in self._checks:
-            bad += int((flat[idx] != expected).sum())
-        return bad
+        return count_mismatches(self._checks)
+
+
+def count_mismatches(checks: list[Check]) -> int:
+    """Re-read every element a verified apply wrote; the number that differ from expected."""
+    return sum(int((flat[idx] != expected).sum()) for flat, idx, expected in checks)
+
+
+def scatter_direct(
+    item: DeltaItem,
+    src: ViewGeom,
+    flat: torch.Tensor,
+    dest: ViewGeom,
+    checks: list[Check],
+    verify: bool,
+) -> int:
+    """One direct-path copy's share of `item`: the item's flat indices inside the copy's source
+    view `src` (offsets relative to the item) are mapped to offsets of the destination view
+    `dest` over `flat` (the destination storage as integer words) and XORed in (XOR items) or
+    stored (OVERWRITE items). With `verify`, the expected bits go to `checks`. Returns the
+    elements written. Shared by the loader path (ApplyHandler) and plan replay (placement.py)."""
+    valid, dst_off = map_through_view(item.indices, src, dest)
+    if not dst_off.size:
+        return 0
+    vals_np = item.values[valid] if not valid.all() else item.values
+    vals_np = vals_np.view(_NP_INT[flat.element_size()])
+    xor = item.kind == Kind.XOR
+    if flat.device.type == "cpu":  # compiled one-pass scatter (shared_codec.kernels)
+        arr = flat.numpy()
+        if verify:  # compute the expected bits explicitly, re-read them in count_mismatches
+            new_np = arr[dst_off] ^ vals_np if xor else vals_np.copy()
+            set_scatter(arr, dst_off, new_np)
+            checks.append((flat, torch.from_numpy(dst_off), torch.from_numpy(new_np)))
+        elif xor:
+            xor_scatter(arr, dst_off, vals_np)
+        else:
+            set_scatter(arr, dst_off, vals_np)
+    else:
+        idx = torch.from_numpy(dst_off).to(flat.device)
+        vals = torch.from_numpy(vals_np).to(flat.device)
+        new = flat[idx] ^ vals if xor else vals
+        flat[idx] = new
+        if verify:
+            checks.append((flat, idx, new.clone()))
+    return int(dst_off.size)
 
 
 _ALIGN = 64
@@ -391,6 +418,20 @@ def check_loader_report(names: str, reported: set[str], results: list[ItemResult
         )
 
 
+def runs(
+    items: list[DeltaItem], replayable: Callable[[str], bool]
+) -> list[tuple[bool, list[DeltaItem]]]:
+    """Split `items` (in order) into maximal runs of replayable / loader-path items."""
+    out: list[tuple[bool, list[DeltaItem]]] = []
+    for item in items:
+        r = replayable(item.name)
+        if out and out[-1][0] == r:
+            out[-1][1].append(item)
+        else:
+            out.append((r, [item]))
+    return out
+
+
 def apply_staged(
     model: torch.nn.Module,
     staged: list[StagedPayload],
@@ -402,18 +443,57 @@ def apply_staged(
     masked: set[str],
     verify: bool,
     counter: ItemFaults,
+    plan: PlacementPlan | None = None,
 ) -> None:
-    """Apply `staged` payloads in order, batch by batch (`plan_batches`, `apply_batch`),
-    counting into `tally` and marking each payload applied in `staging` once complete.
+    """Apply `staged` payloads in order, counting into `tally` and marking each payload
+    applied in `staging` once complete. Items `plan` holds (placement.py) are replayed through
+    their recorded copies with no loader call; the others go through the loader batch by batch
+    (`plan_batches`, `apply_batch`). `plan=None` (placement mode ``loader``) sends every item
+    through the loader. Every direct-path item that does not replay is a fall back, counted by
+    reason in ``tally.fallbacks`` (``loader_mode``, ``stale``: its parameters changed since the
+    trace, ``not_planned``: excluded at prewarm) and logged; masked-path items are loader items
+    by design, not fall backs.
 
-    ``tally.touched`` says whether any batch reached the loader (weights may have changed). On
-    a failure the exception propagates with `tally` saying how far it got: the loader streams,
-    so items it pulled before the failing one are complete and the last one it pulled may be
+    ``tally.touched`` says whether any batch reached the weights (they may have changed). On
+    a failure the exception propagates with `tally` saying how far it got: items are applied in
+    order, so items pulled before the failing one are complete and the last one pulled may be
     partial (``tally.partial_item``), except after an `InjectedFailure`, raised before the next
-    item is pulled. `counter` is the loader's per-item hook (it counts pulled items and fires
-    the test-only item faults)."""
-    storages = named_storages(model)
-    before = param_snapshot(model)
+    item is pulled. `counter` is the per-item hook of both paths (it counts pulled items and
+    fires the test-only item faults)."""
+    # model walks only when a loader batch runs; planned parameters are resolved by name
+    storages: dict[int, str] | None = None
+    before: dict[str, tuple[int, tuple[int, ...]]] | None = None
+    stale: dict[str, str] = {}
+    current: dict[str, torch.Tensor | None] = {}
+
+    def check_plan(items: list[DeltaItem]) -> None:
+        assert plan is not None
+        params = plan.params_of(it.name for it in items) - current.keys()
+        if not params:
+            return
+        now = current_tensors(model, params)
+        current.update(now)
+        found = plan.stale(now)
+        if found and not stale:
+            first = next(iter(found.items()))
+            log.warning(
+                "placement plan stale for %d tensors (e.g. %s: %s); they go through "
+                "load_weights until dcr_prewarm or dcr_verify_plan records a new plan",
+                len(found),
+                *first,
+            )
+        stale.update(found)
+
+    def replayable(name: str) -> bool:
+        return plan is not None and name in plan.tensors and name not in stale
+
+    def fallback(name: str) -> str | None:
+        if name in masked:
+            return None
+        if plan is None:
+            return "loader_mode"
+        return "stale" if name in stale else "not_planned"
+
     for sp in staged:
         t0 = time.perf_counter()
         payload = sp.decoded or decode_payload(sp.data, key=staging.key, max_body=staging.max_body)
@@ -421,36 +501,81 @@ def apply_staged(
         t0 = time.perf_counter()
         items = [it for it in payload.items if it.name not in skipped]
         tally.skipped_items += len(payload.items) - len(items)
-        for batch in plan_batches(items, scratch.numel(), masked):
-            tally.touched = True
-            done = counter.pulled
-            try:
-                results = apply_batch(
-                    model,
-                    batch,
-                    scratch=scratch,
-                    model_storages=storages,
-                    masked=masked,
-                    verify=verify,
-                    before_item=counter,
-                )
-            except InjectedFailure:
-                tally.items += counter.pulled - done  # the loader finished what it pulled
-                raise
-            except Exception:
-                tally.items += max(0, counter.pulled - done - 1)
-                tally.partial_item = batch[max(0, counter.pulled - done - 1)].name
-                raise
-            tally.items += len(batch)
-            tally.batches += 1
-            for item, res in zip(batch, results, strict=True):
-                tally.elements_written += res.elements_written
-                tally.bytes += item.raw_bytes
-                if verify:
-                    tally.mismatches += res.mismatches
-        if param_snapshot(model) != before:
+        if plan is not None:
+            check_plan(items)
+        for replay, run in runs(items, replayable):
+            batches = [run] if replay else plan_batches(run, scratch.numel(), masked)
+            for batch in batches:
+                tally.touched = True
+                done = counter.pulled
+                try:
+                    if replay:
+                        assert plan is not None
+                        results = replay_batch(plan, batch, current, verify, counter)
+                    else:
+                        if storages is None or before is None:
+                            storages, before = named_storages(model), param_snapshot(model)
+                        results = apply_batch(
+                            model,
+                            batch,
+                            scratch=scratch,
+                            model_storages=storages,
+                            masked=masked,
+                            verify=verify,
+                            before_item=counter,
+                        )
+                except InjectedFailure:
+                    tally.items += counter.pulled - done  # the batch finished what it pulled
+                    raise
+                except Exception:
+                    tally.items += max(0, counter.pulled - done - 1)
+                    tally.partial_item = batch[max(0, counter.pulled - done - 1)].name
+                    raise
+                tally.items += len(batch)
+                if replay:
+                    tally.plan_items += len(batch)
+                else:
+                    tally.loader_items += len(batch)
+                    tally.batches += 1
+                    for item in batch:
+                        why = fallback(item.name)
+                        if why is not None:
+                            tally.fallbacks[why] = tally.fallbacks.get(why, 0) + 1
+                for item, res in zip(batch, results, strict=True):
+                    tally.elements_written += res.elements_written
+                    tally.bytes += item.raw_bytes
+                    if verify:
+                        tally.mismatches += res.mismatches
+        if before is not None and param_snapshot(model) != before:
             raise LoaderConditionError("the loader rebound parameters during apply")
         tally.apply_s += time.perf_counter() - t0
         tally.payloads += 1
         tally.compressed_bytes += len(sp.data)
         staging.mark_applied(tally.attempt, sp.header.payload_id)
+    if tally.fallbacks:
+        log.info("apply attempt %d: loader-path fall backs %s", tally.attempt, tally.fallbacks)
+
+
+def replay_batch(
+    plan: PlacementPlan,
+    batch: list[DeltaItem],
+    current: dict[str, torch.Tensor | None],
+    verify: bool,
+    before_item: Callable[[DeltaItem], None],
+) -> list[ItemResult]:
+    """Apply `batch` (planned items) through the plan's recorded copies (placement.py)."""
+    checks: list[Check] = []
+
+    def scatter(item: DeltaItem, src: ViewGeom, words: torch.Tensor, dest: ViewGeom) -> int:
+        return scatter_direct(item, src, words, dest, checks, verify)
+
+    done = replay_items(plan, batch, current, scatter, before_item)
+    results = []
+    for item, (n, params) in zip(batch, done, strict=True):
+        r = ItemResult(name=item.name, entries=item.count, path="plan")
+        r.elements_written, r.dest_params = n, params
+        r.copies = len(plan.tensors[item.name])
+        results.append(r)
+    if verify and results:
+        results[0].mismatches = count_mismatches(checks)
+    return results

@@ -14,6 +14,9 @@ Contract: `probe(model, specs, scratch, condition)` pushes a zero view of `scrat
 - ``unsupported``: writes that read the item other than by copy, writes that would change
   resident bits, rebinding (``param.data = ...``), a loader exception, or a loader condition.
 
+The direct tensors' recorded copies become the placement plan (placement.py) that apply
+replays without calling the loader.
+
 Guarantees: the model's parameters and buffers are unchanged afterwards (rebinding is undone);
 `scratch` stays zero or `LoaderConditionError` is raised.
 
@@ -41,6 +44,7 @@ from vllm_dcr_plugin.intercept import (
     param_snapshot,
     storage_key,
 )
+from vllm_dcr_plugin.placement import PlacementPlan, build_plan
 from vllm_dcr_plugin.staging import TensorSpec
 
 
@@ -51,6 +55,7 @@ class Capabilities:
     skipped: frozenset[str]
     overwrite_only: dict[str, str]
     unsupported: dict[str, str]
+    plan: PlacementPlan
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -74,6 +79,7 @@ def probe(
     overwrite_only: dict[str, str] = {}
     unsupported: dict[str, str] = {}
     coverage: dict[str, list[tuple[str, ViewGeom]]] = {}
+    traces: dict[str, list[WriteRecord]] = {}
     for name, spec in specs.items():
         if condition:
             unsupported[name] = condition
@@ -102,6 +108,7 @@ def probe(
         else:
             if reason:
                 overwrite_only[name] = reason
+            traces[name] = handler.records
             for r in handler.records:
                 if r.op.startswith("copy_"):
                     coverage.setdefault(r.param, []).append((name, r.dest))
@@ -112,8 +119,12 @@ def probe(
             "the loader wrote into the item it was given during the prewarm trace; "
             "this loader path cannot be refit in place"
         )
+    direct = [n for n in traces if n not in overwrite_only]
     return Capabilities(
-        skipped=frozenset(skipped), overwrite_only=overwrite_only, unsupported=unsupported
+        skipped=frozenset(skipped),
+        overwrite_only=overwrite_only,
+        unsupported=unsupported,
+        plan=build_plan(traces, direct, model),
     )
 
 

@@ -13,7 +13,8 @@ unknown store kind, a dtype the codec does not carry, a negative version) is a
 ``ProtocolError`` reply and changes nothing.
 
 RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
-``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``, ``dcr_metrics``, ``dcr_status``.
+``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``,
+``dcr_verify_plan``, ``dcr_set_placement``, ``dcr_metrics``, ``dcr_status``.
 
 Limitations:
 1. The request gate checks that the worker holds no request state; the orchestrator closes the
@@ -199,6 +200,23 @@ class DCRWorkerExtension:
         with _arguments("dcr_dense_load"):
             args = (_directory(path, "path"), _int(version, "version"))
         return self._dcr_receiver().dense_load(*args)
+
+    @_rpc
+    def dcr_verify_plan(self) -> dict[str, Any]:
+        """Re-trace the native loader and compare the placement plan with the fresh trace
+        (vllm_dcr_plugin/placement.py); the fresh plan is kept. Returns ``matches``,
+        ``differences`` ({tensor: why}), ``stale_before`` and the plan counts."""
+        return self._dcr_receiver().verify_plan()
+
+    @_rpc
+    def dcr_set_placement(self, mode: str) -> dict[str, Any]:
+        """``"plan"`` (default: replay the recorded placement) or ``"loader"`` (every item
+        through ``load_weights``, counted as fall backs); returns ``previous`` and
+        ``placement``. The start-up default comes from ``DCR_PLACEMENT``."""
+        with _arguments("dcr_set_placement"):
+            if not isinstance(mode, str):
+                raise TypeError(f"mode must be a string, got {type(mode).__name__}")
+        return self._dcr_receiver().set_placement(mode)
 
     @_rpc
     def dcr_memory(self, reset_peak: bool = False) -> dict[str, Any]:

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT = INT_DTYPES
 aten = torch.ops.aten
 COPY_OPS = {aten.copy_.default}
 
@@ -59,14 +60,15 @@ def storage_key(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
-def _tensors_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def tensors_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `model` with its name."""
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
 def named_storages(model: torch.nn.Module) -> dict[int, str]:
     """Storage key -> the first parameter or buffer name on it (the model storage to guard)."""
     out: dict[int, str] = {}
-    for name, t in _tensors_of(model):
+    for name, t in tensors_of(model):
         if t.numel():
             out.setdefault(storage_key(t), name)
     return out
@@ -75,7 +77,7 @@ def named_storages(model: torch.nn.Module) -> dict[int, str]:
 def param_snapshot(model: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Name -> (storage key, shape) of every parameter and buffer: compared before and after a
     loader call, a difference means the loader rebound or replaced a tensor."""
-    return {n: (storage_key(p), tuple(p.shape)) for n, p in _tensors_of(model)}
+    return {n: (storage_key(p), tuple(p.shape)) for n, p in tensors_of(model)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,10 @@ every rank (scrape it through ``collective_rpc`` or vLLM's HTTP ``/collective_rp
 Metrics: ``dcr_payloads_total{result=staged|duplicate|rejected}``, ``dcr_payload_bytes_total``,
 ``dcr_applies_total{result=ok|failed}``, ``dcr_elements_written_total``,
 ``dcr_apply_seconds`` / ``dcr_fetch_seconds`` (histograms), ``dcr_dense_loads_total``,
-``dcr_committed_version``.
+``dcr_committed_version``, ``dcr_placement_items_total{path=plan|loader}``,
+``dcr_placement_fallbacks_total{reason=loader_mode|stale|not_planned}`` (direct-path items that
+went through ``load_weights`` instead of the placement plan; placement.py),
+``dcr_plan_mismatches_total`` (tensors whose placement changed in a ``dcr_verify_plan``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ class ReceiverMetrics:
         self.fetch_seconds = Histogram(
             "dcr_fetch_seconds", "dcr_fetch wall time", buckets=_BUCKETS, registry=r
         )
+        self.placement_items = Counter(
+            "dcr_placement_items",
+            "Items applied, by path: plan (replayed placement) or loader (load_weights)",
+            ["path"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "dcr_placement_fallbacks",
+            "Direct-path items applied through load_weights instead of the placement plan",
+            ["reason"],
+            registry=r,
+        )
+        self.plan_mismatches = Counter(
+            "dcr_plan_mismatches",
+            "Tensors whose placement differed in a dcr_verify_plan re-trace",
+            registry=r,
+        )
         self.dense_loads = Counter("dcr_dense_loads", "dcr_dense_load calls", registry=r)
         self.committed = Gauge("dcr_committed_version", "Committed policy version", registry=r)
         self.server_port: int | None = None
@@ -67,6 +87,13 @@ class ReceiverMetrics:
         self.applies.labels("ok" if ack.get("ok") else "failed").inc()
         self.elements.inc(int(ack.get("elements_written", 0)))
         self.apply_seconds.observe(seconds)
+
+    def placed(self, tally: Any) -> None:
+        """Count an apply's items by placement path and its fall backs by reason (ack.Tally)."""
+        self.placement_items.labels("plan").inc(tally.plan_items)
+        self.placement_items.labels("loader").inc(tally.loader_items)
+        for why, n in tally.fallbacks.items():
+            self.fallbacks.labels(why).inc(n)
 
     def text(self) -> str:
         from prometheus_client import generate_latest

@@ -16,6 +16,8 @@ Limitations:
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,7 @@ from vllm_dcr_plugin.ack import Ack, Tally
 from vllm_dcr_plugin.apply import apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
+from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan, current_tensors
 from vllm_dcr_plugin.sources import attempt_payloads, payload_source, sealed_set
 from vllm_dcr_plugin.staging import (
     SealedSet,
@@ -44,6 +47,7 @@ from vllm_dcr_plugin.staging import (
 from vllm_dcr_plugin.state import Event, ReceiverState, advance, check_apply
 
 _S = ReceiverState
+log = logging.getLogger(__name__)
 
 
 class Receiver:
@@ -56,7 +60,13 @@ class Receiver:
         rank: dict[str, int],
         gate: Callable[[], str | None] | None = None,
         loader_condition: Callable[[], str | None] | None = None,
+        placement: str | None = None,
     ) -> None:
+        placement = placement or os.environ.get(ENV_MODE) or "plan"
+        if placement not in MODES:
+            raise ValueError(f"placement mode {placement!r} ({ENV_MODE}): expected one of {MODES}")
+        self.placement = placement
+        self.plan: PlacementPlan | None = None
         self.model = model
         self.rank = rank
         self.gate = gate or (lambda: None)
@@ -91,6 +101,7 @@ class Receiver:
         self.scratch, self.tensors = scratch, specs
         self.skipped = set(caps.skipped)
         self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
+        self.plan = caps.plan
         self.committed_version = int(committed_version)
         self.state = after
         self.staging.new_transition()
@@ -103,6 +114,63 @@ class Receiver:
             "unsupported": dict(sorted(self.unsupported.items())),
             "scratch_bytes": int(scratch.numel()),
             "committed_version": self.committed_version,
+            **self._plan_report(),
+        }
+
+    def _plan_report(self) -> dict[str, Any]:
+        plan = self.plan or PlacementPlan()
+        return {
+            "placement": self.placement,
+            "planned": len(plan.tensors),
+            "plan_entries": sum(len(e) for e in plan.tensors.values()),
+            "plan_excluded": dict(sorted(plan.excluded.items())),
+        }
+
+    def set_placement(self, mode: str) -> dict[str, Any]:
+        """Choose how later applies place direct-path items: ``plan`` (replay the recorded
+        placement) or ``loader`` (every item through ``load_weights``; each counted as a
+        ``loader_mode`` fall back). Returns the previous and the new mode."""
+        if mode not in MODES:
+            raise ProtocolError(f"placement mode {mode!r}: expected one of {MODES}")
+        previous, self.placement = self.placement, mode
+        log.info("placement mode %s -> %s", previous, mode)
+        return {**self.rank, "previous": previous, "placement": mode}
+
+    def verify_plan(self) -> dict[str, Any]:
+        """Re-trace the loader for every registered tensor (side-effect free, as prewarm) and
+        compare the fresh placement plan with the kept one. The fresh plan replaces the kept
+        one either way (placement always follows the loader's latest trace); differences and
+        stale parameters are reported, counted (``dcr_plan_mismatches_total``) and logged."""
+        scratch = self._require_prewarm()
+        gate = self.gate()
+        if gate:
+            raise ProtocolError(f"request gate closed for verify_plan: {gate}")
+        old = self.plan or PlacementPlan()
+        stale = old.stale(current_tensors(self.model, old.params))
+        caps = probe(self.model, self.tensors, scratch, self.loader_condition())
+        diff = old.differences(caps.plan)
+        classes_changed = (
+            set(caps.skipped) != self.skipped
+            or caps.overwrite_only != self.overwrite_only
+            or caps.unsupported != self.unsupported
+        )
+        self.plan = caps.plan
+        self.skipped = set(caps.skipped)
+        self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
+        if diff:
+            self.metrics.plan_mismatches.inc(len(diff))
+            log.warning(
+                "dcr_verify_plan: %d tensors' placement changed: %s",
+                len(diff),
+                dict(list(diff.items())[:4]),
+            )
+        return {
+            **self.rank,
+            "matches": not diff and not stale,
+            "differences": diff,
+            "stale_before": stale,
+            "classes_changed": classes_changed,
+            **self._plan_report(),
         }
 
     def _require_prewarm(self) -> torch.Tensor:
@@ -282,12 +350,15 @@ class Receiver:
                 masked=set(self.overwrite_only),
                 verify=verify,
                 counter=faults.ItemFaults(armed),
+                plan=self.plan if self.placement == "plan" else None,
             )
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
+            self.metrics.placed(tally)
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
             return tally.ack(ok=False, error=f"{type(e).__name__}: {e}")
         tally.total_s = time.perf_counter() - t_start
+        self.metrics.placed(tally)
         if verify and tally.mismatches:
             self._failed(target)
             return tally.ack(

@@ -4,12 +4,15 @@ A medium Qwen3 model (default ~165M parameters, BF16) is written locally; versio
 uniform 1%, 3% and 5% of elements changed in every tensor are derived from it. One vLLM engine
 (TP=1, the DCR worker extension) starts on v0 and is prewarmed. Then, side by side:
 
-- dense: ``dcr_dense_load(v0)`` (reads the safetensors file and runs ``load_weights``), median of
-  3, worker-side seconds;
-- apply at each rate: the canonical diff v0 -> v_rate is encoded (mixed XOR/overwrite), staged
-  and applied (``dcr_apply``), worker-side seconds from the ACK (decode + loader application);
-  the engine is dense-loaded back to v0 between rates (untimed). The peak-RSS delta of the worker
-  over stage + apply (Linux VmHWM reset) is the receiver memory beyond resident weights.
+- dense: ``dcr_dense_load(v0)`` (reads the safetensors file and runs ``load_weights``),
+  worker-side seconds, one warm-up and `repeats` timed runs;
+- apply at each rate, in both placement modes (``dcr_set_placement``: ``loader``, every item
+  through ``load_weights``; ``plan``, the replayed placement): the canonical diff v0 -> v_rate is
+  encoded (mixed XOR/overwrite), staged and applied (``dcr_apply``), worker-side seconds from the
+  ACK (decode + application); one warm-up (whose result is checked bit for bit against a dense
+  load of v_rate) and `repeats` timed runs, the engine dense-loaded back to v0 after each
+  (untimed). The peak-RSS delta of the worker over stage + apply (Linux VmHWM reset) is the
+  receiver memory beyond resident weights.
 
 JSON keys are documented in docs/benchmarks.md.
 """
@@ -45,7 +48,12 @@ SMALL = {
 }
 
 
-def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> dict[str, Any]:
+MODES = ("loader", "plan")
+
+
+def run(
+    size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05), repeats: int = 5
+) -> dict[str, Any]:
     from vllm import LLM
 
     from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
@@ -88,14 +96,16 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
     table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in ckpt0.items()]
     report = rpc("dcr_prewarm", table, 0)
     no_xor = set(report["overwrite_only"])
-    dense = []
-    for _ in range(3):
-        dense.append(rpc("dcr_dense_load", str(v0), 0)["seconds"])
+    rpc("dcr_dense_load", str(v0), 0)  # warm-up
+    dense = [rpc("dcr_dense_load", str(v0), 0)["seconds"] for _ in range(repeats)]
     dense_s = statistics.median(dense)
-    print(f"[bench apply] dense load: {dense_s:.3f} s (median of 3)", flush=True)
+    print(f"[bench apply] dense load: {dense_s:.3f} s (median of {repeats})", flush=True)
     rows = []
     for rate, path in versions.items():
         new = load_checkpoint(path)
+        rpc("dcr_dense_load", str(path), 1)
+        want = rpc("dcr_digest")["digest"]
+        rpc("dcr_dense_load", str(v0), 0)
         items = []
         for name in sorted(ckpt0):
             kind = Kind.OVERWRITE if name in no_xor else Kind.XOR
@@ -104,37 +114,64 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
                 items.append(item)
         meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
         payloads = encode_items(items, meta, BucketConfig())
-        mem0 = rpc("dcr_memory", True)
-        t0 = time.perf_counter()
-        staged = rpc("dcr_stage", payloads)
-        stage_s = time.perf_counter() - t0
-        ack = rpc("dcr_apply", 0)
-        mem1 = rpc("dcr_memory")
-        if not ack["ok"] or len(staged["staged"]) != len(payloads):
-            raise RuntimeError(f"apply failed: {ack.get('error')} / {staged['rejected'][:1]}")
-        apply_s = ack["timings"]["total_s"]
-        rows.append(
-            {
-                "rate": f"{round(rate * 100)}%",
-                "changed_elements": sum(i.count for i in items),
-                "payload_bytes": sum(len(p) for p in payloads),
-                "payloads": len(payloads),
-                "stage_s": stage_s,
-                "apply_s": apply_s,
-                "apply_decode_s": ack["timings"]["decode_s"],
-                "dense_load_s": dense_s,
-                "apply_vs_dense": apply_s / dense_s,
-                "peak_rss_delta_bytes": (mem1["peak_rss_bytes"] or 0) - (mem0["rss_bytes"] or 0),
-                "staged_bytes_before_apply": sum(len(p) for p in payloads),
-            }
-        )
+        row: dict[str, Any] = {
+            "rate": f"{round(rate * 100)}%",
+            "changed_elements": sum(i.count for i in items),
+            "payload_bytes": sum(len(p) for p in payloads),
+            "payloads": len(payloads),
+            "dense_load_s": dense_s,
+            "staged_bytes_before_apply": sum(len(p) for p in payloads),
+        }
+        for mode in MODES:
+            rpc("dcr_set_placement", mode)
+            runs: list[dict[str, Any]] = []
+            for rep in range(repeats + 1):  # the first is a warm-up
+                mem0 = rpc("dcr_memory", True)
+                t0 = time.perf_counter()
+                staged = rpc("dcr_stage", payloads)
+                stage_s = time.perf_counter() - t0
+                ack = rpc("dcr_apply", 0)
+                mem1 = rpc("dcr_memory")
+                if not ack["ok"] or len(staged["staged"]) != len(payloads):
+                    raise RuntimeError(
+                        f"apply failed: {ack.get('error')} / {staged['rejected'][:1]}"
+                    )
+                if rep == 0:
+                    exact = rpc("dcr_digest")["digest"] == want
+                    row[f"{mode}_bit_exact"] = exact
+                    row[f"{mode}_plan_items"] = ack["plan_items"]
+                    row[f"{mode}_loader_items"] = ack["loader_items"]
+                    row[f"{mode}_fallbacks"] = ack["fallbacks"]
+                    if not exact:
+                        raise RuntimeError(f"{mode} apply at {row['rate']} is not bit-exact")
+                else:
+                    runs.append(
+                        {
+                            "stage_s": stage_s,
+                            "apply_s": ack["timings"]["total_s"],
+                            "decode_s": ack["timings"]["decode_s"],
+                            "peak_rss_delta_bytes": (mem1["peak_rss_bytes"] or 0)
+                            - (mem0["rss_bytes"] or 0),
+                        }
+                    )
+                rpc("dcr_commit", 1)
+                rpc("dcr_dense_load", str(v0), 0)
+            applies = [r["apply_s"] for r in runs]
+            prefix = "" if mode == "plan" else "loader_"
+            row[f"{prefix}apply_s"] = statistics.median(applies)
+            row[f"{prefix}apply_runs_s"] = applies
+            row[f"{prefix}apply_min_s"], row[f"{prefix}apply_max_s"] = min(applies), max(applies)
+            row[f"{prefix}apply_decode_s"] = statistics.median(r["decode_s"] for r in runs)
+            row[f"{prefix}stage_s"] = statistics.median(r["stage_s"] for r in runs)
+            row[f"{prefix}apply_vs_dense"] = row[f"{prefix}apply_s"] / dense_s
+            row[f"{prefix}peak_rss_delta_bytes"] = max(r["peak_rss_delta_bytes"] for r in runs)
+        rows.append(row)
         print(
-            f"[bench apply] {rows[-1]['rate']}: apply {apply_s:.3f} s "
-            f"({100 * apply_s / dense_s:.1f}% of dense)",
+            f"[bench apply] {row['rate']}: plan {row['apply_s']:.3f} s "
+            f"({100 * row['apply_vs_dense']:.1f}% of dense), loader {row['loader_apply_s']:.3f} s "
+            f"({100 * row['loader_apply_vs_dense']:.1f}%)",
             flush=True,
         )
-        rpc("dcr_commit", 1)
-        rpc("dcr_dense_load", str(v0), 0)
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
     shutil.rmtree(work, ignore_errors=True)
@@ -149,8 +186,11 @@ def run(size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05)) -> 
         },
         "scratch_bytes": report["scratch_bytes"],
         "scratch_vs_largest_tensor": report["scratch_bytes"] / largest,
+        "repeats": repeats,
         "dense_load_s": dense_s,
         "dense_load_runs_s": dense,
+        "dense_load_min_s": min(dense),
+        "dense_load_max_s": max(dense),
         "rows": rows,
     }
 
@@ -159,18 +199,26 @@ def render(res: dict[str, Any]) -> str:
     m = res["model"]
     out = [
         f"Apply vs dense load ({m['parameters'] / 1e6:.1f}M params, "
-        f"{m['checkpoint_bytes'] / 1e6:.0f} MB BF16, vLLM CPU TP=1)"
+        f"{m['checkpoint_bytes'] / 1e6:.0f} MB BF16, vLLM CPU TP=1; median [min-max] of "
+        f"{res['repeats']} after a warm-up)",
+        f"dense load: {res['dense_load_s']:.3f} s [{res['dense_load_min_s']:.3f}-"
+        f"{res['dense_load_max_s']:.3f}]",
     ]
     out.append(
-        f"{'rate':>5} | {'changed':>10} | {'payload MB':>10} | {'apply s':>8} | "
-        f"{'dense s':>8} | {'apply/dense':>11} | {'peak RSS +MB':>12}"
+        f"{'rate':>5} | {'changed':>10} | {'payload MB':>10} | {'path':>6} | "
+        f"{'apply s [min-max]':>21} | {'apply/dense':>11} | {'exact':>5} | {'peak RSS +MB':>12}"
     )
     for r in res["rows"]:
-        out.append(
-            f"{r['rate']:>5} | {r['changed_elements']:10d} | {r['payload_bytes'] / 1e6:10.2f} | "
-            f"{r['apply_s']:8.3f} | {r['dense_load_s']:8.3f} | {100 * r['apply_vs_dense']:10.1f}% | "
-            f"{r['peak_rss_delta_bytes'] / 1e6:12.1f}"
-        )
+        for mode in MODES:
+            p = "" if mode == "plan" else "loader_"
+            out.append(
+                f"{r['rate']:>5} | {r['changed_elements']:10d} | "
+                f"{r['payload_bytes'] / 1e6:10.2f} | {mode:>6} | {r[p + 'apply_s']:7.3f} "
+                f"[{r[p + 'apply_min_s']:.3f}-{r[p + 'apply_max_s']:.3f}] | "
+                f"{100 * r[p + 'apply_vs_dense']:10.1f}% | "
+                f"{'yes' if r[mode + '_bit_exact'] else 'NO':>5} | "
+                f"{r[p + 'peak_rss_delta_bytes'] / 1e6:12.1f}"
+            )
     out.append(
         f"scratch: {res['scratch_bytes'] / 1e6:.1f} MB = "
         f"{res['scratch_vs_largest_tensor']:.2f}x the largest canonical tensor"

@@ -6,7 +6,10 @@ v0 -> v1 (mixed XOR/overwrite delta, staged twice), v1 -> v2 (a partial XOR appl
 overwrite-only retry of the complete changed set), v2 -> v3 (overwrite-only), with rejection cases
 (wrong base version, corrupted, unknown tensor, wrong shape), exactly-once cases (a re-sequenced
 duplicate, an extra and a missing payload against the sealed set) and apply-before-prewarm
-checked against digests. The test file asserts on the report.
+checked against digests. `--placement` chooses how applies place direct-path items (the
+replayed placement plan or the native loader; ``dcr_set_placement``); after the dense
+references the plan is re-verified against a fresh trace (``dcr_verify_plan``). The test file
+asserts on the report.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--bucket-bytes", type=int, default=8 << 10)
     ap.add_argument("--extra", default="{}", help="JSON dict of extra LLM(...) arguments")
+    ap.add_argument("--placement", default="plan", help="plan (replayed placement) or loader")
     args = ap.parse_args()
     versions = json.loads(args.versions)
 
@@ -62,6 +66,7 @@ def main() -> None:
     report["d0"] = digests()
     report["tokens0"] = tokens()
     report["apply_before_prewarm"] = rpc_error("dcr_apply", 0)
+    report["set_placement"] = llm.collective_rpc("dcr_set_placement", args=(args.placement,))
     report["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, 0))
     report["d0_after_prewarm"] = digests()
 
@@ -72,6 +77,9 @@ def main() -> None:
         report["ref"].append({"digest": digests(), "tokens": tokens()})
     llm.collective_rpc("dcr_dense_load", args=(versions[0], 0))
     report["d0_after_dense_reload"] = digests()
+    # dense loads keep parameter storage: the plan is still the loader's placement
+    report["verify_plan"] = llm.collective_rpc("dcr_verify_plan")
+    report["d0_after_verify_plan"] = digests()
 
     no_xor = set()
     for r in report["prewarm"]:
@@ -216,6 +224,7 @@ def main() -> None:
         list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)
     ]
     report["commit3"] = client.commit(3)
+    report["metrics"] = [m["text"] for m in llm.collective_rpc("dcr_metrics")]
     Path(args.out).write_text(json.dumps(report, default=str))
     os._exit(0)
 

@@ -23,6 +23,18 @@ CASES = [
     ("moe", "qwen3-moe", 1, {}),
     ("moe-tp2-ep", "qwen3-moe", 2, {"enable_expert_parallel": True}),
 ]
+# every case runs in both placement modes: the replayed plan (default) and the native loader
+# for every item; the loader-mode runs are the slow lane except one (the path is main's and
+# the plan-mode runs cover every loader layout by default)
+MODED = [
+    pytest.param(
+        (*case, mode),
+        id=f"{case[0]}-{mode}",
+        marks=[pytest.mark.slow] if mode == "loader" and case[0] != "qwen3-tp1" else [],
+    )
+    for case in CASES
+    for mode in ("plan", "loader")
+]
 
 
 def _versions(kind: str, root: Path) -> list[str]:
@@ -33,7 +45,7 @@ def _versions(kind: str, root: Path) -> list[str]:
     return [str(p) for p in paths]
 
 
-def _run(kind: str, tp: int, extra: dict, tmp: Path) -> tuple[dict, list[str]]:
+def _run(kind: str, tp: int, extra: dict, tmp: Path, mode: str) -> tuple[dict, list[str]]:
     versions = _versions(kind, tmp / kind)
     out = tmp / "report.json"
     run_program(
@@ -48,6 +60,8 @@ def _run(kind: str, tp: int, extra: dict, tmp: Path) -> tuple[dict, list[str]]:
             str(out),
             "--extra",
             json.dumps(extra),
+            "--placement",
+            mode,
         ],
         timeout=600,
         env=base_env(**(TP2_ENV if tp > 1 else {})),
@@ -64,12 +78,34 @@ def _ok(acks: list) -> None:
             assert ack["post_apply_mismatches"] == 0
 
 
+def _placed(acks: list, mode: str) -> None:
+    """Every item took the mode's path: replayed from the plan with no fall back (tensors
+    behind a transformed loader path, if any, still go through the loader by design), or
+    through the loader with each direct-path item counted as a ``loader_mode`` fall back."""
+    for ack in acks:
+        assert ack["items"] > 0 and ack["plan_items"] + ack["loader_items"] == ack["items"], ack
+        if mode == "plan":
+            assert ack["fallbacks"] == {} and ack["plan_items"] > 0, ack
+        else:
+            assert ack["plan_items"] == 0 and set(ack["fallbacks"]) == {"loader_mode"}, ack
+            assert 0 < ack["fallbacks"]["loader_mode"] <= ack["items"], ack
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", MODED)
 def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
-    _, kind, tp, extra = case
-    r, versions = _run(kind, tp, extra, tmp_path)
+    _, kind, tp, extra, mode = case
+    r, versions = _run(kind, tp, extra, tmp_path, mode)
     ranks = tp
+    assert all(x["placement"] == mode for x in r["set_placement"])
+    # the plan holds every direct tensor this rank loads; re-verified against a fresh trace
+    # after dense loads, it still matches (and the re-trace changed nothing)
+    for rep, ver in zip(r["prewarm"], r["verify_plan"], strict=True):
+        assert rep["placement"] == mode and rep["plan_excluded"] == {}, rep
+        loads = rep["tensors"] - len(rep["skipped"]) - len(rep["unsupported"])
+        assert rep["planned"] == loads - len(rep["overwrite_only"]) > 0, rep
+        assert ver["matches"] and ver["differences"] == {} and not ver["classes_changed"], ver
+    assert r["d0_after_verify_plan"] == r["d0"]
     # apply before prewarm: a clear error
     assert "dcr_prewarm has not been called" in r["apply_before_prewarm"]
     # prewarm is side-effect free and reports every rank
@@ -121,6 +157,7 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     assert all(len(s["staged"]) == r["n_payloads_v1"] for s in r["stage1"])
     assert all(len(s["duplicates"]) == r["n_payloads_v1"] for s in r["stage1_again"])
     _ok(r["ack1"])
+    _placed(r["ack1"], mode)
     assert r["d1"] == r["ref"][0]["digest"]
     assert r["tokens1"] == r["ref"][0]["tokens"]
     # v1 -> v2: a partial XOR apply leaves a mixture; XOR retries are refused; an overwrite
@@ -130,11 +167,16 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     assert all(s["state"] == "dirty" for s in r["status_after_partial"])
     assert "retry with overwrites" in r["apply2_xor_retry_error"]
     _ok(r["ack2_retry"])
+    _placed(r["ack2_retry"], mode)
     assert r["d2"] == r["ref"][1]["digest"] and r["tokens2"] == r["ref"][1]["tokens"]
     # v2 -> v3: overwrite-only from a clean receiver
     _ok(r["ack3"])
+    _placed(r["ack3"], mode)
+    for text in r["metrics"]:  # every fall back is counted; in plan mode there is none
+        assert ('dcr_placement_fallbacks_total{reason="loader_mode"}' in text) == (mode == "loader")
+        assert "dcr_placement_fallbacks_total{" not in text or mode == "loader"
     assert r["d3"] == r["ref"][2]["digest"] and r["tokens3"] == r["ref"][2]["tokens"]
-    if case[0] == "qwen3-tp1":
+    if case[0] == "qwen3-tp1" and mode == "plan":
         # the dense-load reference itself equals a fresh engine started on v3
         fresh = tmp_path / "fresh.json"
         run_program(

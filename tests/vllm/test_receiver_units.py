@@ -97,6 +97,9 @@ def test_fake_loader_paths_classified_and_applied_exactly() -> None:
     assert "index_copy" in report["unsupported"]["e.weight"]
     assert "would change resident bits" in report["unsupported"]["f.weight"]
     assert report["scratch_bytes"] == 2 * 24
+    # only the direct tensor is planned (its padding fill lies outside its copy)
+    assert report["planned"] == 1 and report["plan_entries"] == 1
+    assert report["plan_excluded"] == {} and report["placement"] == "plan"
 
     refit = ("t.weight", "c.weight", "d.weight")
     items = []
@@ -108,6 +111,8 @@ def test_fake_loader_paths_classified_and_applied_exactly() -> None:
     assert len(st["staged"]) == 1 and not st["rejected"]
     ack = rx.apply(0, verify=True)
     assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+    # d.weight replayed from the plan; t and c (masked path) through the loader, no fall back
+    assert ack["plan_items"] == 1 and ack["loader_items"] == 2 and ack["fallbacks"] == {}, ack
     expected = FakeLoaderModel()
     _dense(expected, v1)
     for name in ("t", "c", "d"):

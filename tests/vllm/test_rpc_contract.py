@@ -85,6 +85,8 @@ def test_bad_arguments_are_protocol_error_replies_that_change_nothing(tmp_path: 
         "dense load of a missing path": ("dcr_dense_load", (str(tmp_path / "nope"), 1), {}),
         "dense load negative version": ("dcr_dense_load", (str(tmp_path), -1), {}),
         "reset_peak not a bool": ("dcr_memory", ("sometimes",), {}),
+        "unknown placement mode": ("dcr_set_placement", ("fast",), {}),
+        "placement mode not a string": ("dcr_set_placement", (1,), {}),
     }
     for what, (method, args, kwargs) in calls.items():
         reply = getattr(ext, method)(*args, **kwargs)
