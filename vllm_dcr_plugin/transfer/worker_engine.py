@@ -52,7 +52,15 @@ from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
 from shared_codec.transport.store import ObjectStore, open_store
 from vllm_dcr_plugin import worker as dcr_worker
-from vllm_dcr_plugin.arguments import arguments, boolean, directory, integer, seconds, store_spec
+from vllm_dcr_plugin.arguments import (
+    arguments,
+    boolean,
+    checkpoint,
+    integer,
+    payload_key,
+    seconds,
+    store_spec,
+)
 from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import reports
 
@@ -136,16 +144,14 @@ def parse_init(d: Any) -> DCRInitInfo:
         info = DCRInitInfo(**_known_fields(d, "init_info", _INIT_FIELDS))
         info.engine = _name(info.engine, "engine")
         info.session = _name(info.session, "session")
-        info.control = store_spec(info.control)
-        if info.control["kind"] not in ("dir", "s3"):
-            raise ValueError("control must be a 'dir' or 's3' store spec")
-        info.source = store_spec(info.source)
+        info.control = store_spec(info.control, "control", ("dir", "s3"))
+        info.source = store_spec(info.source, "source")
         tensor_specs(info.tensors)
         info.committed_version = integer(info.committed_version, "committed_version")
         if info.dense_path is not None:
-            info.dense_path = directory(info.dense_path, "dense_path")
+            info.dense_path = checkpoint(info.dense_path, "dense_path")
         if info.key is not None:
-            bytes.fromhex(info.key)
+            payload_key(info.key, "key")
         info.digest = boolean(info.digest, "digest")
     return info
 
@@ -245,7 +251,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         except Exception as e:
             logger.error("DCR engine %s: control store: %s", init_info.engine, e)
             return
-        stale = self.pending
+        stale, previous = self.pending, (self.init, self.control)
         self.init, self.control, self.pending = init_info, control, None
         step = reports.init_step(init_info.session)
         try:
@@ -256,19 +262,22 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
                 worker._weight_update_active = False
                 if stale is not None:
                     receiver.abort(stale[1])
-            if init_info.key is not None:
-                receiver.staging.key = bytes.fromhex(init_info.key)
             out: dict[str, Any] = {}
             if init_info.dense_path is not None:
                 out["dense_load"] = receiver.dense_load(
                     init_info.dense_path, init_info.committed_version
                 )
             out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
+            if init_info.key is not None:  # only an init that succeeded changes the key
+                receiver.staging.key = bytes.fromhex(init_info.key)
             if init_info.digest:
                 out["digest"] = receiver.digest()["digest"]
             self._report(step, {"ok": True, "error": None, **out})
         except Exception as e:
             self._report(step, self._error(e))
+            # a failed init is not this engine's configuration: reports and finishes keep
+            # going where the previous init said (a stale session stays closed)
+            self.init, self.control = previous
 
     def _report_invalid_init(self, bad: _Invalid) -> None:
         """An init that did not parse can still report when its engine, session and control
