@@ -84,7 +84,13 @@ class Receiver:
         after = advance(self.state, Event.PREWARM) if self.tensors else _S.CLEAN
         specs = tensor_specs(tensors)
         sizes = [dtype_of(s.dtype).itemsize * numel(s.shape) for s in specs.values()]
-        scratch = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+        try:
+            scratch = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:  # a shape no model has: refuse, not raise
+            raise ProtocolError(
+                f"tensors: the largest tensor needs {max(sizes)} bytes of scratch, which "
+                f"cannot be allocated ({type(e).__name__}); nothing changed"
+            ) from None
         # compile the scatter kernels now, not inside the first timed apply
         warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
         caps = probe(self.model, specs, scratch, self.loader_condition())

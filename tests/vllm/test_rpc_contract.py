@@ -359,6 +359,19 @@ def test_calls_out_of_order_are_protocol_errors_that_change_nothing(tmp_path: Pa
     _assert_holds(ext._dcr_receiver().model, v1)  # type: ignore[arg-type]
 
 
+def test_a_table_too_large_to_prewarm_is_a_protocol_error_reply() -> None:
+    """A shape no model has (2**61 bytes of scratch): refused, nothing changed, not an
+    allocation error escaping the RPC."""
+    ext, *_ = _extension()
+    assert ext.dcr_prewarm(TABLE, 0)["ok"]
+    before = _snapshot(ext)
+    reply = ext.dcr_prewarm([["t.weight", "bfloat16", [2**40, 2**20]]], 0)
+    assert reply["ok"] is False and reply["error"].startswith("ProtocolError: tensors: "), reply
+    assert "cannot be allocated" in reply["error"]
+    assert _snapshot(ext) == before
+    assert ext.dcr_prewarm(TABLE, 0)["ok"]
+
+
 def test_missing_model_is_a_protocol_error_reply() -> None:
     reply = DCRWorkerExtension().dcr_status()
     assert reply["ok"] is False and reply["error"].startswith("ProtocolError: "), reply

@@ -11,7 +11,8 @@ Calls (the trainer engine `vllm_dcr_plugin.transfer.trainer_engine` makes them i
 1. ``init_weight_transfer_engine(DCRInitInfo)``: open the control store, optionally dense-load a
    committed checkpoint, prewarm the canonical tensor table at the committed version. This is
    also how a failed or restarted engine rejoins (a dense load of the committed version). A
-   weight-update session a vanished trainer left open is closed (its attempt fenced).
+   weight-update session a vanished trainer left open is closed (its attempt fenced). An init
+   that fails keeps the previous init (control store, engine name, payload key).
 2. ``start_weight_update()``: opens vLLM's session; nothing else.
 3. ``update_weights(DCRUpdateInfo)``: one attempt (version, base version, attempt) is fetched
    from the payload source and applied, pipelined (each payload applied as it arrives) or
