@@ -30,6 +30,8 @@ from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.receiver import Receiver
 from vllm_dcr_plugin.transfer import reports
 from vllm_dcr_plugin.transfer.worker_engine import (
+    DCRInitInfo,
+    DCRUpdateInfo,
     DCRWeightTransferEngine,
     parse_init,
     parse_update,
@@ -201,6 +203,16 @@ def test_worker_entry_points_report_bad_arguments_and_change_nothing(
         assert rep["error"].startswith("ProtocolError: update_weights: bad arguments: "), rep
         assert says in rep["error"], (name, says, rep["error"])
         assert _state(engine) == before, name
+    # a caller's own typed info is held to the same contract (vLLM parses dicts first)
+    engine.receive_weights(DCRUpdateInfo(version=1, base_version=0, attempt=30, timeout_s=-1))
+    rep = _report(tmp_path, reports.update_step(1, 30))
+    assert rep["ok"] is False and "timeout_s must be > 0" in rep["error"], rep
+    engine.init_transfer_engine(
+        DCRInitInfo(**{**_init(tmp_path, "typed"), "committed_version": -4})
+    )
+    rep = _report(tmp_path, reports.init_step("typed"))
+    assert rep["ok"] is False and "committed_version must be >= 0" in rep["error"], rep
+    assert _state(engine) == before
     # a stale or foreign update (base version 3, committed 0): refused before any fetch
     engine.update_weights({**_UPDATE, "version": 4, "base_version": 3})
     rep = _report(tmp_path, reports.update_step(4, 0))
@@ -210,8 +222,8 @@ def test_worker_entry_points_report_bad_arguments_and_change_nothing(
     engine.finish_weight_update()
     assert _state(engine) == before
 
-    # valid: the attempt is fetched and applied, committed when the record names it
-    engine.update_weights({**_UPDATE, "verify": True})
+    # valid: the attempt is fetched and applied, committed when the record names it (typed)
+    engine.receive_weights(DCRUpdateInfo(**{**_UPDATE, "verify": True}))
     rep = _report(tmp_path, reports.update_step(1, 0))
     assert rep["ok"] and rep["ack"]["items"] == len(REFIT), rep
     control = open_store({"kind": "dir", "root": str(tmp_path / "control")})

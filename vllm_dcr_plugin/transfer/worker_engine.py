@@ -37,6 +37,7 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -244,6 +245,12 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             return _Invalid(f"{type(e).__name__}: {e}", update_dict)
 
     def init_transfer_engine(self, init_info: Any) -> None:
+        """See the module docstring; never raises. vLLM passes what `parse_init_info` made; a
+        caller's own `DCRInitInfo` (or dict) is validated the same way."""
+        if not isinstance(init_info, DCRInitInfo | _Invalid):
+            init_info = self.parse_init_info(init_info)
+        elif isinstance(init_info, DCRInitInfo):
+            init_info = self.parse_init_info(dataclasses.asdict(init_info))
         if isinstance(init_info, _Invalid):
             self._report_invalid_init(init_info)
             return
@@ -304,12 +311,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One attempt (see the module docstring); never raises, always reports.
         Overrides the base method, which synchronizes an accelerator (none on CPU)."""
-        info = self.parse_update_info(update_info)
-        if isinstance(info, _Invalid):
-            step = self._invalid_step(update_info)
-            self._report(step, {"ok": False, "error": info.error})
-            return
-        self.receive_weights(info)
+        self.receive_weights(update_info)
 
     @staticmethod
     def _invalid_step(raw: Any) -> str:
@@ -321,8 +323,18 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         except Exception:
             return "invalid/update"
 
-    def receive_weights(self, update_info: DCRUpdateInfo) -> None:
-        info = update_info
+    def receive_weights(self, update_info: DCRUpdateInfo | dict[str, Any]) -> None:
+        """One attempt; never raises, always reports. `update_info` (a `DCRUpdateInfo` or its
+        dict) is validated here, so a direct call is held to the same contract."""
+        raw = (
+            dataclasses.asdict(update_info)
+            if isinstance(update_info, DCRUpdateInfo)
+            else update_info
+        )
+        info = self.parse_update_info(raw)
+        if isinstance(info, _Invalid):
+            self._report(self._invalid_step(raw), {"ok": False, "error": info.error})
+            return
         step = reports.update_step(info.version, info.attempt)
         if self.init is None:
             self._report(step, {"ok": False, "error": "ProtocolError: init not done"})
