@@ -370,9 +370,9 @@ class Receiver:
         }
 
     def check_checkpoint(self, path: str, what: str) -> None:
-        """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at `path` that the
-        prewarm table names has another shape: a checkpoint of another model would stop the
-        loader part-way. Reads the files' headers only."""
+        """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at
+        `path` that the prewarm table names has another shape: a checkpoint of another model
+        would stop the loader part-way. Reads the files' headers only."""
         if not self.tensors:
             return
         from pathlib import Path
