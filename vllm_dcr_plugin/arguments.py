@@ -2,7 +2,10 @@
 engine): every bad argument becomes a `ProtocolError` naming it, raised before anything changes.
 
 Values arrive as Python objects (``collective_rpc``) or as JSON / decimal strings (vLLM's HTTP
-``/collective_rpc`` and weight-transfer routes), so each parser accepts both spellings.
+``/collective_rpc`` and weight-transfer routes), so each parser accepts both spellings. Every
+parser's error message starts with the argument's name (``what``); `arguments` prefixes the
+RPC's name, so a reply reads ``ProtocolError: dcr_fetch: bad arguments: ValueError: store: ...``.
+The contract, per RPC and entry point, is the table in docs/protocol.md ("Errors").
 """
 
 from __future__ import annotations
@@ -11,25 +14,35 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from shared_codec.errors import ProtocolError
+from shared_codec.format import MAX_KEY_SIZE
 
 ARG_ERRORS = (ValueError, TypeError, KeyError)
+#: versions and attempts are unsigned 64-bit fields of the payload header (docs/format.md)
+MAX_INTEGER = 2**63 - 1
 
 
 @contextlib.contextmanager
 def arguments(method: str) -> Iterator[None]:
-    """Argument parsing of one RPC: a bad-argument error (ValueError, TypeError, KeyError)
-    becomes `ProtocolError` (the call changed nothing). Only argument parsing runs inside."""
+    """Argument parsing of one RPC: a bad-argument error (ValueError, TypeError, KeyError, or a
+    `ProtocolError` of a shared parser such as `staging.tensor_specs`) becomes `ProtocolError`
+    prefixed with `method` (the call changed nothing). Only argument parsing runs inside."""
     try:
         yield
+    except ProtocolError as e:
+        raise ProtocolError(f"{method}: bad arguments: {e}") from None
     except ARG_ERRORS as e:
-        raise ProtocolError(f"{method}: bad arguments: {type(e).__name__}: {e}") from None
+        # str(KeyError) quotes its message; the message itself is what the caller should read
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise ProtocolError(f"{method}: bad arguments: {type(e).__name__}: {msg}") from None
 
 
 def integer(v: Any, what: str) -> int:
-    """A non-negative integer: ints, or decimal strings (vLLM's HTTP ``/collective_rpc``)."""
+    """A non-negative integer below 2**63: ints, or decimal strings (vLLM's HTTP
+    ``/collective_rpc``)."""
     if isinstance(v, bool) or not isinstance(v, int | str):
         raise TypeError(f"{what} must be an integer, got {type(v).__name__}")
     try:
@@ -38,6 +51,8 @@ def integer(v: Any, what: str) -> int:
         raise ValueError(f"{what} must be an integer, got {v!r:.40}") from None
     if n < 0:
         raise ValueError(f"{what} must be >= 0, got {n}")
+    if n > MAX_INTEGER:
+        raise ValueError(f"{what} must be < 2**63, got {n}")
     return n
 
 
@@ -62,19 +77,46 @@ def seconds(v: Any, what: str) -> float:
 
 
 SPEC_KEYS = {"dir": ("root",), "spool": ("root",), "s3": ("bucket",)}
+#: optional keys per kind (shared_codec.transport.store.open_store reads them)
+SPEC_OPTIONAL = {
+    "dir": ("bandwidth_bytes_per_s",),
+    "spool": (),
+    "s3": ("endpoint_url", "prefix", "region", "bandwidth_bytes_per_s"),
+}
 
 
-def store_spec(v: Any) -> dict[str, Any]:
-    """A store spec (dict or its JSON text) of a known kind with its required fields."""
-    spec = json.loads(v) if isinstance(v, str) else v
+def json_object(v: Any, what: str) -> Any:
+    """`v`, or the value of its JSON text (vLLM's HTTP routes may deliver objects as text)."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return json.loads(v)
+    except ValueError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+
+
+def store_spec(v: Any, what: str = "store", kinds: tuple[str, ...] = tuple(SPEC_KEYS)) -> dict:
+    """A store spec (dict or its JSON text) of one of `kinds`, with its required fields and no
+    key `open_store` / the spool source would not read."""
+    spec = json_object(v, what)
     if not isinstance(spec, dict):
-        raise TypeError(f"store spec must be a JSON object, got {type(spec).__name__}")
+        raise TypeError(f"{what} must be a store spec (a JSON object), got {type(spec).__name__}")
     kind = spec.get("kind")
-    if kind not in SPEC_KEYS:
-        raise ValueError(f"store spec kind must be one of {sorted(SPEC_KEYS)}, got {kind!r}")
+    if kind not in kinds:
+        raise ValueError(f"{what}: store spec kind must be one of {sorted(kinds)}, got {kind!r}")
     for key in SPEC_KEYS[kind]:
         if not isinstance(spec.get(key), str) or not spec[key]:
-            raise KeyError(f"a {kind!r} store spec needs a non-empty string {key!r}")
+            raise KeyError(f"{what}: a {kind!r} store spec needs a non-empty string {key!r}")
+    unknown = set(spec) - {"kind", *SPEC_KEYS[kind], *SPEC_OPTIONAL[kind]}
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {sorted(map(str, unknown))} in a {kind!r} spec")
+    for key in ("prefix", "region"):
+        if key in spec and not isinstance(spec[key], str):
+            raise TypeError(f"{what}.{key} must be a string, got {type(spec[key]).__name__}")
+    if spec.get("endpoint_url") is not None and not isinstance(spec["endpoint_url"], str):
+        raise TypeError(f"{what}.endpoint_url must be a string or null")
+    if spec.get("bandwidth_bytes_per_s"):  # 0 / null: unthrottled
+        seconds(spec["bandwidth_bytes_per_s"], f"{what}.bandwidth_bytes_per_s")
     return dict(spec)
 
 
@@ -85,15 +127,17 @@ def apply_opts(v: Any) -> dict[str, Any] | None:
         raise TypeError(f"apply must be a dict or None, got {type(v).__name__}")
     unknown = set(v) - {"verify"}
     if unknown:
-        raise ValueError(f"apply takes only 'verify', got {sorted(unknown)}")
+        raise ValueError(f"apply takes only 'verify', got {sorted(map(str, unknown))}")
     return {"verify": boolean(v.get("verify", False), "apply.verify")}
 
 
 def payloads(v: Any) -> list[bytes]:
-    if not isinstance(v, list | tuple) or not all(
-        isinstance(p, bytes | bytearray | memoryview) for p in v
-    ):
-        raise TypeError("payloads must be a list of bytes")
+    """A list of payloads (bytes); the first element that is not bytes is named."""
+    if not isinstance(v, list | tuple):
+        raise TypeError(f"payloads must be a list of bytes, got {type(v).__name__}")
+    for i, p in enumerate(v):
+        if not isinstance(p, bytes | bytearray | memoryview):
+            raise TypeError(f"payloads[{i}] must be bytes, got {type(p).__name__}")
     return list(v)
 
 
@@ -101,3 +145,35 @@ def directory(v: Any, what: str) -> str:
     if not isinstance(v, str) or not os.path.isdir(v):
         raise ValueError(f"{what} must name an existing directory, got {v!r:.200}")
     return v
+
+
+def checkpoint(v: Any, what: str) -> str:
+    """A canonical checkpoint directory: at least one ``*.safetensors`` file, every file's
+    header readable and consistent with its size (safetensors checks the offsets), so that a
+    dense load does not stop part-way on a missing or truncated file."""
+    from safetensors import safe_open
+
+    path = directory(v, what)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{what}: no *.safetensors files in {path!r:.200}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                sf.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"{what}: {f.name} is not a readable safetensors file: {e}") from None
+    return path
+
+
+def payload_key(v: Any, what: str) -> bytes:
+    """A payload authentication key as hex text: 1 to `MAX_KEY_SIZE` bytes (a BLAKE2b key)."""
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be hex text, got {type(v).__name__}")
+    try:
+        key = bytes.fromhex(v)
+    except ValueError:
+        raise ValueError(f"{what} must be hex text, got {v[:8]!r}...") from None
+    if not 1 <= len(key) <= MAX_KEY_SIZE:
+        raise ValueError(f"{what} must be 1 to {MAX_KEY_SIZE} bytes, got {len(key)}")
+    return key

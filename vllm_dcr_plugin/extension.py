@@ -26,23 +26,24 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from shared_codec.errors import DCRError
+from shared_codec.errors import DCRError, ProtocolError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import apply_opts as _apply_opts
 from vllm_dcr_plugin.arguments import arguments as _arguments
 from vllm_dcr_plugin.arguments import boolean as _bool
-from vllm_dcr_plugin.arguments import directory as _directory
+from vllm_dcr_plugin.arguments import checkpoint as _checkpoint
 from vllm_dcr_plugin.arguments import integer as _int
+from vllm_dcr_plugin.arguments import json_object as _json
 from vllm_dcr_plugin.arguments import payloads as _payloads
 from vllm_dcr_plugin.arguments import seconds as _seconds
 from vllm_dcr_plugin.arguments import store_spec as _store_spec
+from vllm_dcr_plugin.placement import MODES
 from vllm_dcr_plugin.staging import SealedSet, tensor_specs
 
 if TYPE_CHECKING:
@@ -66,12 +67,16 @@ def _rpc(fn: F) -> F:
     `ProtocolError` reply too; each method validates its arguments' values in `_arguments`.
     """
     signature = inspect.signature(fn)
+    accepted = ", ".join(p for p in signature.parameters if p != "self")
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             with _arguments(fn.__name__):
-                signature.bind(self, *args, **kwargs)
+                try:
+                    signature.bind(self, *args, **kwargs)
+                except TypeError as e:  # names the argument, or says what the RPC takes
+                    raise TypeError(f"{e}; {fn.__name__} takes ({accepted})") from None
             out = fn(self, *args, **kwargs)
         except DCRError as e:
             rank = getattr(self, "rank", 0)
@@ -91,8 +96,7 @@ def _expect(v: Any, attempt: int) -> SealedSet | None:
     digits or are listed twice are a `ProtocolError` (staging.SealedSet.of)."""
     if v is None:
         return None
-    if isinstance(v, str):
-        v = json.loads(v)
+    v = _json(v, "expect")
     if not isinstance(v, dict):
         raise TypeError(f"expect must be a dict or None, got {type(v).__name__}")
     if set(v) != _EXPECT_KEYS:
@@ -101,12 +105,14 @@ def _expect(v: Any, attempt: int) -> SealedSet | None:
     if not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
         raise TypeError("expect.payload_ids must be a list of hex strings")
     base = v["base_version"]
-    return SealedSet.of(
-        version=_int(v["version"], "expect.version"),
-        attempt=attempt,
-        base_version=None if base is None else _int(base, "expect.base_version"),
-        payload_ids=ids,
-    )
+    version = _int(v["version"], "expect.version")
+    base_version = None if base is None else _int(base, "expect.base_version")
+    try:
+        return SealedSet.of(
+            version=version, attempt=attempt, base_version=base_version, payload_ids=ids
+        )
+    except ProtocolError as e:
+        raise ProtocolError(f"expect.payload_ids: {e}") from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -155,7 +161,7 @@ class DCRWorkerExtension:
         are fetched as they appear and each is applied once staged; the attempt's ACK is
         returned under ``"ack"``."""
         with _arguments("dcr_fetch"):
-            spec = _store_spec(store)
+            spec = _store_spec(store, "store")
             args = (_int(version, "version"), _int(attempt, "attempt"))
             timeout = _seconds(timeout_s, "timeout_s")
             opts = _apply_opts(apply)
@@ -198,7 +204,8 @@ class DCRWorkerExtension:
         """Dense refit from a canonical checkpoint directory through ``load_weights``; the
         receiver is then clean at `version`."""
         with _arguments("dcr_dense_load"):
-            args = (_directory(path, "path"), _int(version, "version"))
+            args = (_checkpoint(path, "path"), _int(version, "version"))
+            self._dcr_receiver().check_checkpoint(args[0], "path")
         return self._dcr_receiver().dense_load(*args)
 
     @_rpc
@@ -216,6 +223,8 @@ class DCRWorkerExtension:
         with _arguments("dcr_set_placement"):
             if not isinstance(mode, str):
                 raise TypeError(f"mode must be a string, got {type(mode).__name__}")
+            if mode not in MODES:
+                raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         return self._dcr_receiver().set_placement(mode)
 
     @_rpc

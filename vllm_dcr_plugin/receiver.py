@@ -94,7 +94,13 @@ class Receiver:
         after = advance(self.state, Event.PREWARM) if self.tensors else _S.CLEAN
         specs = tensor_specs(tensors)
         sizes = [dtype_of(s.dtype).itemsize * numel(s.shape) for s in specs.values()]
-        scratch = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+        try:
+            scratch = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:  # a shape no model has: refuse, not raise
+            raise ProtocolError(
+                f"tensors: the largest tensor needs {max(sizes)} bytes of scratch, which "
+                f"cannot be allocated ({type(e).__name__}); nothing changed"
+            ) from None
         # compile the scatter kernels now, not inside the first timed apply
         warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
         caps = probe(self.model, specs, scratch, self.loader_condition())
@@ -410,8 +416,17 @@ class Receiver:
         gate = self.gate()
         if gate:
             raise ProtocolError(f"request gate closed for dense load: {gate}")
+        self.check_checkpoint(path, "dense-load path")
         t0 = time.perf_counter()
-        loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
+        try:
+            loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
+        except Exception as e:  # the loader stopped part-way: weights are a mixture
+            self.state = advance(self.state, Event.FAILED)
+            raise LoaderConditionError(
+                f"dense load of {path} failed part-way ({type(e).__name__}: {e}); the receiver "
+                f"is dirty at committed version {self.committed_version}: dense-load a good "
+                "checkpoint or retry with overwrites"
+            ) from None
         self.metrics.dense_loads.inc()
         self.metrics.committed.set(int(version))
         self.committed_version = int(version)
@@ -424,6 +439,28 @@ class Receiver:
             "seconds": time.perf_counter() - t0,
             "committed_version": int(version),
         }
+
+    def check_checkpoint(self, path: str, what: str) -> None:
+        """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at
+        `path` that the prewarm table names has another shape: a checkpoint of another model
+        would stop the loader part-way. Reads the files' headers only."""
+        if not self.tensors:
+            return
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    spec = self.tensors.get(name)
+                    shape = tuple(sf.get_slice(name).get_shape())
+                    if spec is not None and shape != spec.shape:
+                        raise ProtocolError(
+                            f"{what}: tensor {name} in {f.name} has shape {list(shape)}, the "
+                            f"prewarm table says {list(spec.shape)} (a checkpoint of another "
+                            "model?); nothing loaded"
+                        )
 
     def memory(self, reset_peak: bool = False) -> dict[str, Any]:
         """RSS and peak RSS of this process (metrics.process_memory), scratch and staged bytes."""

@@ -85,19 +85,21 @@ def key_from_env() -> bytes | None:
 def tensor_specs(table: object) -> dict[str, TensorSpec]:
     """The prewarm table ``[[name, dtype, shape], ...]`` as specs by name; `ProtocolError` (with
     the offending entry) for anything else: a non-list, a bad entry, a dtype the codec does not
-    carry, a negative or non-integer dimension."""
+    carry, a negative or non-integer dimension, a name listed twice."""
     if not isinstance(table, list | tuple):
         raise ProtocolError(f"tensors must be a list of [name, dtype, shape], got {table!r:.80}")
     specs: dict[str, TensorSpec] = {}
-    for entry in table:
+    for i, entry in enumerate(table):
         try:
             name, dtype, shape = entry
-            if not isinstance(name, str) or not isinstance(shape, list | tuple):
-                raise TypeError("name must be a string and shape a list")
+            if not isinstance(name, str) or not name or not isinstance(shape, list | tuple):
+                raise TypeError("name must be a non-empty string and shape a list")
+            if name in specs:
+                raise ValueError(f"{name!r} is listed twice")
             dims = tuple(_dim(s) for s in shape)
             specs[name] = TensorSpec(dtype_of(str(dtype)).name, dims)
         except (TypeError, ValueError, KeyError) as e:
-            raise ProtocolError(f"bad tensor entry {entry!r:.120}: {e}") from None
+            raise ProtocolError(f"tensors[{i}]: bad tensor entry {entry!r:.120}: {e}") from None
     return specs
 
 

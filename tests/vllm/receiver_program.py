@@ -70,6 +70,27 @@ def main() -> None:
     report["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, 0))
     report["d0_after_prewarm"] = digests()
 
+    # the RPC error contract on every rank: one bad call per RPC (test_receiver.BAD_CALLS),
+    # then the weights are unchanged and the next calls get their own replies
+    from safetensors.torch import save_file
+
+    from tests.vllm.test_receiver import BAD_CALLS
+
+    name0, t0 = next(iter(ckpts[0].items()))
+    other = Path(args.out).with_name("other-model")
+    other.mkdir(exist_ok=True)
+    save_file({name0: t0.reshape(-1)[:-1].clone()}, str(other / "model.safetensors"))
+    paths = {"<other-model>": str(other), "<not-a-checkpoint>": str(Path(args.out).parent)}
+    report["bad_args"] = {}
+    for label, (method, a, kw, _) in BAD_CALLS.items():
+        a = tuple(paths.get(x, x) if isinstance(x, str) else x for x in a)
+        report["bad_args"][label] = llm.collective_rpc(method, args=a, kwargs=kw)
+    report["d0_after_bad_args"] = digests()
+    report["status_after_bad_args"] = llm.collective_rpc("dcr_status")
+    report["info_after_bad_args"] = [
+        {k: i[k] for k in ("ok", "rank", "tp_rank")} for i in llm.collective_rpc("dcr_info")
+    ]
+
     # references: dense loads of v1..v3 on this engine, then back to v0
     report["ref"] = []
     for v in range(1, len(versions)):

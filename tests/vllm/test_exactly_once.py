@@ -246,7 +246,7 @@ def test_http_engine_plain_apply_is_held_to_the_manifest(tmp_path: Path) -> None
     from shared_codec.coordination.engines import HttpEngine
     from tests.vllm.test_rpc_contract import _extension
 
-    ext = _extension()
+    ext, *_ = _extension()
     assert ext.dcr_prewarm(TABLE, 0)["ok"]
     rx = ext._dcr_receiver()
     _dense(rx.model, _versions()[0])  # type: ignore[arg-type]

@@ -146,6 +146,8 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     client.update_weights({"version": 2, "base_version": 1, "attempt": 7})
     client.update_weights({"version": "three", "base_version": 2, "attempt": 0})
     client.update_weights({"version": 3, "base_version": 2, "attempt": 0, "colour": "red"})
+    client.update_weights({"version": 3, "base_version": 2, "attempt": 5, "timeout_s": 0})
+    client.update_weights({"version": 3, "base_version": 3, "attempt": 6})
     client.finish_weight_update()
     stale = json.loads(control.get(reports.key("engine0", reports.update_step(2, 7), 0)))
     assert not stale["ok"] and "stale or foreign" in stale["error"]
@@ -153,6 +155,10 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     assert not bad["ok"] and "ProtocolError" in bad["error"] and "version" in bad["error"]
     unknown = json.loads(control.get(reports.key("engine0", reports.update_step(3, 0), 0)))
     assert not unknown["ok"] and "colour" in unknown["error"]
+    for attempt, reason in ((5, "timeout_s must be > 0"), (6, "version 3 must be > base_version")):
+        rep = json.loads(control.get(reports.key("engine0", reports.update_step(3, attempt), 0)))
+        assert not rep["ok"] and "ProtocolError: update_weights: bad" in rep["error"], rep
+        assert reason in rep["error"], rep
     # bad init_info: answered in the report, the engine keeps its prewarm and version
     good = {
         "engine": "engine0",
@@ -161,11 +167,21 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
         "tensors": tensor_table(server.versions[0]),
         "committed_version": 2,
     }
+    from shared_codec.checkpoint import load_checkpoint, save_checkpoint
+
+    embed = "model.embed_tokens.weight"
+    other = save_checkpoint(  # another model's shapes: refused before anything is loaded
+        {embed: load_checkpoint(server.versions[0])[embed][:, :8].clone()}, tmp_path / "other"
+    )
     bad_inits = {
         "bad-version": ({"committed_version": -1}, "committed_version must be >= 0"),
-        "bad-kind": ({"source": {"kind": "ftp", "root": "/x"}}, "store spec kind"),
+        "bad-kind": ({"source": {"kind": "ftp", "root": "/x"}}, "source: store spec kind"),
+        "bad-spec-key": ({"source": {**good["source"], "bucket": "b"}}, "source: unknown key"),
         "bad-table": ({"tensors": [["w", "bfloat17", [2]]]}, "bfloat17"),
         "bad-field": ({"colour": "red"}, "colour"),
+        "bad-key": ({"key": "not hex"}, "key must be hex"),
+        "bad-dense": ({"dense_path": str(tmp_path)}, "dense_path: no *.safetensors"),
+        "other-model": ({"dense_path": str(other)}, f"dense-load path: tensor {embed}"),
     }
     for session, (change, reason) in bad_inits.items():
         client.init_weight_transfer_engine({**good, "session": session, **change})

@@ -37,6 +37,27 @@ MODED = [
 ]
 
 
+# the RPC error contract on a real engine: label -> (rpc, args, kwargs, what the error names);
+# receiver_program.py replaces the <...> placeholders with paths it writes
+BAD_CALLS = {
+    "prewarm bad dtype": ("dcr_prewarm", ([["x", "bfloat17", [2]]], 0), {}, "tensors[0]"),
+    "stage not a list": ("dcr_stage", ("not a list",), {}, "payloads must be a list"),
+    "fetch unknown kind": ("dcr_fetch", ({"kind": "ftp", "root": "/x"}, 1, 0), {}, "store:"),
+    "apply negative attempt": ("dcr_apply", (-1,), {}, "attempt must be >= 0"),
+    "commit text version": ("dcr_commit", ("one",), {}, "version must be an integer"),
+    "abort two attempts": ("dcr_abort", (0, 1), {}, "dcr_abort takes (attempt)"),
+    "digest keyword": ("dcr_digest", (), {"tensor": "x"}, "'tensor'"),
+    "dense load not a checkpoint": (
+        "dcr_dense_load", ("<not-a-checkpoint>", 1), {}, "path: no *.safetensors",
+    ),
+    "dense load another model": ("dcr_dense_load", ("<other-model>", 1), {}, "path: tensor "),
+    "memory reset_peak": ("dcr_memory", ("sometimes",), {}, "reset_peak must be a boolean"),
+    "metrics argument": ("dcr_metrics", (1,), {}, "dcr_metrics takes ()"),
+    "status keyword": ("dcr_status", (), {"verbose": True}, "'verbose'"),
+    "info argument": ("dcr_info", (0,), {}, "dcr_info takes ()"),
+}  # fmt: skip
+
+
 def _versions(kind: str, root: Path) -> list[str]:
     paths = [write_tiny_model(kind, root / "v0", seed=0)]
     for v in range(1, 4):
@@ -111,6 +132,21 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     # prewarm is side-effect free and reports every rank
     assert len(r["prewarm"]) == ranks
     assert r["d0"] == r["d0_after_prewarm"] == r["d0_after_dense_reload"]
+    # bad arguments: ok:false + ProtocolError naming the argument on every rank, weights
+    # unchanged, and the next calls get their own replies (nothing left queued in vLLM)
+    for label, (rpc, _, _, named) in BAD_CALLS.items():
+        replies = r["bad_args"][label]
+        assert sorted(x["rank"] for x in replies) == list(range(ranks)), (label, replies)
+        for x in replies:
+            assert x["ok"] is False, (label, x)
+            assert x["error"].startswith(f"ProtocolError: {rpc}: bad arguments: "), (label, x)
+            assert named in x["error"], (label, named, x["error"])
+    assert r["d0_after_bad_args"] == r["d0"]
+    status = r["status_after_bad_args"]
+    assert sorted(s["rank"] for s in status) == list(range(ranks))
+    assert all(s["ok"] and s["state"] == "clean" and s["prewarmed"] for s in status), status
+    info = sorted(r["info_after_bad_args"], key=lambda i: i["rank"])
+    assert [(i["ok"], i["rank"]) for i in info] == [(True, k) for k in range(ranks)], info
     for rep in r["prewarm"]:
         assert rep["unsupported"] == {}, rep["unsupported"]
         assert rep["format_version"] == 1 and rep["tensors"] > 0

@@ -60,7 +60,10 @@ from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError, EngineUnreachable
 from shared_codec.transport.seam import SINK_KINDS, parse_spec
 from shared_codec.transport.store import ObjectStore, open_store
+from vllm_dcr_plugin.arguments import arguments, integer, seconds, store_spec
+from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import register_backends, reports
+from vllm_dcr_plugin.transfer.worker_engine import _name
 
 
 @dataclass
@@ -269,6 +272,63 @@ class NativeEngine:
             self.initialize(version, self.checkpoint_for(version))
 
 
+def _checked(
+    info: DCRTrainerInitInfo, client: Any
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """`trainer_init`'s arguments, checked before any engine is called or any record written:
+    (control spec, transport spec, source spec, engine name -> client). `ProtocolError`
+    naming the field otherwise."""
+    with arguments("trainer_init"):
+        control = store_spec(info.control, "control", ("dir", "s3"))
+        try:
+            transport = parse_spec(info.transport, SINK_KINDS)
+        except ValueError as e:
+            raise ValueError(f"transport: {e}") from None
+        if info.source is None and transport["kind"] not in ("dir", "s3"):
+            raise ValueError("source: give the relay node's spool spec for a relay transport")
+        source = store_spec(transport if info.source is None else info.source, "source")
+        if not isinstance(info.owners, str):
+            if info.owners is None or not callable(getattr(info.owners, "build", None)):
+                raise TypeError("owners must be the owner service's endpoint or an Owners object")
+        elif not info.owners:
+            raise ValueError("owners must name the owner service's endpoint")
+        if not tensor_specs(info.tensors):
+            raise ValueError("tensors must list the canonical tensors, got an empty table")
+        if info.checkpoint_for is not None:
+            if not isinstance(info.checkpoint_for, str) or "{version}" not in info.checkpoint_for:
+                raise ValueError("checkpoint_for must be a path template with '{version}'")
+            try:
+                info.checkpoint_for.format(version=0)
+            except (IndexError, KeyError, ValueError) as e:
+                raise ValueError(
+                    f"checkpoint_for: only {{version}} may be filled in: {e}"
+                ) from None
+        if isinstance(client, Mapping):
+            if not client:
+                raise ValueError("client: an empty mapping of engine name -> client")
+            clients = dict(client)
+        else:
+            clients = {"engine0": client}
+        if info.engine_names is not None:
+            names = info.engine_names
+            if isinstance(client, Mapping) or not isinstance(names, list) or len(names) != 1:
+                raise ValueError("engine_names names the one client; use a mapping for several")
+            clients = {names[0]: client}
+        for name in clients:
+            _name(name, "engine name")
+        if integer(info.max_attempts, "max_attempts") < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {info.max_attempts}")
+        seconds(info.ack_timeout_s, "ack_timeout_s")
+        for flag in ("dense_load_at_init", "record_digests", "pipelined", "verify"):
+            if not isinstance(getattr(info, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(info, flag)!r:.40}")
+        if info.dense_load_at_init and info.checkpoint_for is None:
+            raise ValueError("dense_load_at_init needs checkpoint_for")
+        if info.launcher is not None and not callable(info.launcher):
+            raise TypeError("launcher must be callable (engine name -> client) or None")
+    return control, transport, source, clients
+
+
 class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitInfo]):
     """Trainer engine of backend ``dcr`` (see the module docstring)."""
 
@@ -301,17 +361,8 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if not init_info.is_sender:
             return cls(client=client, source=source, is_sender=False)
         info = init_info
-        control_spec = parse_spec(info.control, ("dir", "s3"))
-        transport = parse_spec(info.transport, SINK_KINDS)
-        fetch_from = info.source or transport
-        if fetch_from.get("kind") not in ("dir", "s3", "spool"):
-            raise ValueError("source: give the relay node's spool spec for a relay transport")
+        control_spec, transport, fetch_from, clients = _checked(info, client)
         control = open_store(control_spec)
-        clients = dict(client) if isinstance(client, Mapping) else {"engine0": client}
-        if info.engine_names is not None:
-            if isinstance(client, Mapping) or len(info.engine_names) != 1:
-                raise ValueError("engine_names names the one client; use a mapping for several")
-            clients = {info.engine_names[0]: client}
         template = info.checkpoint_for
 
         def checkpoint_for(version: int) -> str:
@@ -366,6 +417,14 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if not self.is_sender:
             return None
         assert self.coordinator is not None
+        if version is not None:
+            committed = self.coordinator.committed_version()
+            with arguments("send_weights"):
+                if integer(version, "version") <= committed:
+                    raise ValueError(
+                        f"version must be newer than the committed version {committed}, "
+                        f"got {version}"
+                    )
         self.last_result = self.coordinator.refit(version)
         return self.last_result
 

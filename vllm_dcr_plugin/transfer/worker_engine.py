@@ -11,7 +11,8 @@ Calls (the trainer engine `vllm_dcr_plugin.transfer.trainer_engine` makes them i
 1. ``init_weight_transfer_engine(DCRInitInfo)``: open the control store, optionally dense-load a
    committed checkpoint, prewarm the canonical tensor table at the committed version. This is
    also how a failed or restarted engine rejoins (a dense load of the committed version). A
-   weight-update session a vanished trainer left open is closed (its attempt fenced).
+   weight-update session a vanished trainer left open is closed (its attempt fenced). An init
+   that fails keeps the previous init (control store, engine name, payload key).
 2. ``start_weight_update()``: opens vLLM's session; nothing else.
 3. ``update_weights(DCRUpdateInfo)``: one attempt (version, base version, attempt) is fetched
    from the payload source and applied, pipelined (each payload applied as it arrives) or
@@ -36,6 +37,7 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -52,7 +54,15 @@ from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
 from shared_codec.transport.store import ObjectStore, open_store
 from vllm_dcr_plugin import worker as dcr_worker
-from vllm_dcr_plugin.arguments import arguments, boolean, directory, integer, seconds, store_spec
+from vllm_dcr_plugin.arguments import (
+    arguments,
+    boolean,
+    checkpoint,
+    integer,
+    payload_key,
+    seconds,
+    store_spec,
+)
 from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import reports
 
@@ -136,16 +146,14 @@ def parse_init(d: Any) -> DCRInitInfo:
         info = DCRInitInfo(**_known_fields(d, "init_info", _INIT_FIELDS))
         info.engine = _name(info.engine, "engine")
         info.session = _name(info.session, "session")
-        info.control = store_spec(info.control)
-        if info.control["kind"] not in ("dir", "s3"):
-            raise ValueError("control must be a 'dir' or 's3' store spec")
-        info.source = store_spec(info.source)
+        info.control = store_spec(info.control, "control", ("dir", "s3"))
+        info.source = store_spec(info.source, "source")
         tensor_specs(info.tensors)
         info.committed_version = integer(info.committed_version, "committed_version")
         if info.dense_path is not None:
-            info.dense_path = directory(info.dense_path, "dense_path")
+            info.dense_path = checkpoint(info.dense_path, "dense_path")
         if info.key is not None:
-            bytes.fromhex(info.key)
+            payload_key(info.key, "key")
         info.digest = boolean(info.digest, "digest")
     return info
 
@@ -237,6 +245,12 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             return _Invalid(f"{type(e).__name__}: {e}", update_dict)
 
     def init_transfer_engine(self, init_info: Any) -> None:
+        """See the module docstring; never raises. vLLM passes what `parse_init_info` made; a
+        caller's own `DCRInitInfo` (or dict) is validated the same way."""
+        if not isinstance(init_info, DCRInitInfo | _Invalid):
+            init_info = self.parse_init_info(init_info)
+        elif isinstance(init_info, DCRInitInfo):
+            init_info = self.parse_init_info(dataclasses.asdict(init_info))
         if isinstance(init_info, _Invalid):
             self._report_invalid_init(init_info)
             return
@@ -245,7 +259,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         except Exception as e:
             logger.error("DCR engine %s: control store: %s", init_info.engine, e)
             return
-        stale = self.pending
+        stale, previous = self.pending, (self.init, self.control)
         self.init, self.control, self.pending = init_info, control, None
         step = reports.init_step(init_info.session)
         try:
@@ -256,19 +270,22 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
                 worker._weight_update_active = False
                 if stale is not None:
                     receiver.abort(stale[1])
-            if init_info.key is not None:
-                receiver.staging.key = bytes.fromhex(init_info.key)
             out: dict[str, Any] = {}
             if init_info.dense_path is not None:
                 out["dense_load"] = receiver.dense_load(
                     init_info.dense_path, init_info.committed_version
                 )
             out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
+            if init_info.key is not None:  # only an init that succeeded changes the key
+                receiver.staging.key = bytes.fromhex(init_info.key)
             if init_info.digest:
                 out["digest"] = receiver.digest()["digest"]
             self._report(step, {"ok": True, "error": None, **out})
         except Exception as e:
             self._report(step, self._error(e))
+            # a failed init is not this engine's configuration: reports and finishes keep
+            # going where the previous init said (a stale session stays closed)
+            self.init, self.control = previous
 
     def _report_invalid_init(self, bad: _Invalid) -> None:
         """An init that did not parse can still report when its engine, session and control
@@ -294,12 +311,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One attempt (see the module docstring); never raises, always reports.
         Overrides the base method, which synchronizes an accelerator (none on CPU)."""
-        info = self.parse_update_info(update_info)
-        if isinstance(info, _Invalid):
-            step = self._invalid_step(update_info)
-            self._report(step, {"ok": False, "error": info.error})
-            return
-        self.receive_weights(info)
+        self.receive_weights(update_info)
 
     @staticmethod
     def _invalid_step(raw: Any) -> str:
@@ -311,8 +323,18 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         except Exception:
             return "invalid/update"
 
-    def receive_weights(self, update_info: DCRUpdateInfo) -> None:
-        info = update_info
+    def receive_weights(self, update_info: DCRUpdateInfo | dict[str, Any]) -> None:
+        """One attempt; never raises, always reports. `update_info` (a `DCRUpdateInfo` or its
+        dict) is validated here, so a direct call is held to the same contract."""
+        raw = (
+            dataclasses.asdict(update_info)
+            if isinstance(update_info, DCRUpdateInfo)
+            else update_info
+        )
+        info = self.parse_update_info(raw)
+        if isinstance(info, _Invalid):
+            self._report(self._invalid_step(raw), {"ok": False, "error": info.error})
+            return
         step = reports.update_step(info.version, info.attempt)
         if self.init is None:
             self._report(step, {"ok": False, "error": "ProtocolError: init not done"})
