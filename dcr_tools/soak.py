@@ -25,7 +25,8 @@ after a kill keeps its rows. Growth of a row's metric = last sample vs the first
 after ``--warmup`` refits, in %; a row passes when every metric grew by at most
 ``--max-growth`` % (a metric at 0 at both points grew 0 %). The soak prints a table and writes
 ``OUT/soak.json`` (settings, per refit: version, attempts, killed, bit_exact, seconds; per
-row and metric: the value at each sample, growth and pass).
+row and metric: the value at each sample, growth and pass); the file is rewritten after every
+sample (``partial: true`` until the transport is done), so a soak cut short keeps its samples.
 
 Exit status: 1 when a refit was not bit-exact, a kill did not take exactly two attempts or a
 refit failed; with ``--assert-flat`` also when a row grew beyond ``--max-growth``; else 0.
@@ -46,8 +47,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +230,9 @@ class Soak(Demo):
             "seconds": time.perf_counter() - t0,
         }
 
-    def soak(self) -> dict[str, Any]:
+    def soak(self, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run the refits; `progress` gets the partial run (``partial: True``) after each
+        sample, so a soak cut short still leaves its samples behind."""
         a = self.args
         t_start = time.perf_counter()
         self.start()
@@ -249,6 +254,9 @@ class Soak(Demo):
                 self.log(f"refit {i}: rollout digest != dense load of version {row['version']}")
             if i % a.sample_every == 0 or i == a.refits:
                 samples.append({"refit": i, "rows": self.sample()})
+                if progress is not None:
+                    progress({"transport": a.transport, "partial": True, "error": error,
+                              "refits": refits, "samples": samples})  # fmt: skip
                 done = refits[-a.sample_every :]
                 self.log(
                     f"refit {i}/{a.refits}: {sum(r['bit_exact'] for r in refits)} bit-exact, "
@@ -375,6 +383,8 @@ def run_soak(args: argparse.Namespace) -> int:
         print("dcr soak: need --refits >= 1, --sample-every >= 1, 0 <= --warmup < --refits",
               file=sys.stderr)  # fmt: skip
         return 2
+    # a SIGTERM (e.g. `timeout`) unwinds through the `finally` that stops the cluster
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -387,8 +397,13 @@ def run_soak(args: argparse.Namespace) -> int:
         ns = argparse.Namespace(**vars(args))
         ns.transport, ns.out = t, str(out / t)
         soak = Soak(ns)
+
+        def progress(partial: dict[str, Any], t: str = t) -> None:
+            report["transports"][t] = partial
+            (out / "soak.json").write_text(json.dumps(report, indent=1))
+
         try:
-            run = soak.soak()
+            run = soak.soak(progress)
         except (DCRError, RefitFailed) as e:
             print(f"[soak] {t}: failed to start: {e}", file=sys.stderr)
             run = {"transport": t, "error": f"start failed: {e}", "refits": [], "samples": []}
