@@ -9,6 +9,9 @@ Subcommands (each has ``--help``):
   against the commit record, and/or tensor by tensor against a dense load on a reference engine.
 - ``dcr demo [--steps N] [--transport dir|s3] [--endpoint URL] [--kill-every K] [--refit dcr|dense]``:
   the end-to-end RL loop (dcr_tools/demo.py); writes out/demo/report.{json,png,html}.
+- ``dcr soak [--refits N] [--transports relay,s3] [--kill-every K] [--sample-every S]
+  [--warmup W] [--assert-flat]``: refits with engine kills, each checked bit for bit, and the
+  growth of every DCR process's memory, descriptors, threads and disk (dcr_tools/soak.py).
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
@@ -243,6 +246,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.run_demo(args)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from dcr_tools import soak
+
+    return soak.run_soak(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dcr_tools.fixtures import KINDS
 
@@ -287,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.build_parser(p)
     p.set_defaults(func=cmd_demo)
+
+    from dcr_tools import soak  # light as well
+
+    p = sub.add_parser(
+        "soak",
+        help="many refits per transport with engine kills, checked bit for bit; resource growth",
+        description=soak.__doc__.split("\n\n")[0] if soak.__doc__ else None,
+    )
+    soak.build_parser(p)
+    p.set_defaults(func=cmd_soak)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table, optionally write JSON)")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")

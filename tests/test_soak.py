@@ -1,0 +1,141 @@
+"""`dcr soak`: the growth arithmetic and the table (pure, synthetic samples), argument errors,
+and in the slow lane a reduced soak (60 refits per transport with engine kills) on the real
+cluster that must be bit-exact at every refit and flat after warm-up."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dcr_tools.procs import PYTHON, REPO, base_env, kill_group
+from dcr_tools.soak import METRICS, analyse, dir_bytes, growth_pct, table
+
+
+def test_growth_pct() -> None:
+    assert growth_pct(100.0, 105.0) == pytest.approx(5.0)
+    assert growth_pct(100.0, 90.0) == pytest.approx(-10.0)
+    assert growth_pct(0.0, 0.0) == 0.0
+    assert growth_pct(0.0, 1.0) == math.inf
+    assert growth_pct(None, 1.0) is None and growth_pct(1.0, None) is None
+
+
+def _run(values: dict[str, list[float]], refits: list[dict] | None = None) -> dict:
+    """A synthetic run (pure test data): samples at refits 0, 10, 20, 30; each row's metrics
+    all take the row's values."""
+    samples = [
+        {"refit": 10 * k, "rows": {n: dict.fromkeys(METRICS, v[k]) for n, v in values.items()}}
+        for k in range(4)
+    ]
+    ok = {"killed": False, "attempts": 1, "bit_exact": True}
+    return {"samples": samples, "refits": refits or [{"refit": 1, **ok}]}
+
+
+def test_analyse_growth_after_warmup_and_pass() -> None:
+    run = _run({"flat": [50.0, 100.0, 104.0, 105.0], "grows": [1.0, 100.0, 100.0, 106.0]})
+    res = analyse(run, warmup=10, max_growth=5.0)
+    # warm-up growth (50 -> 100) does not count: base is refit 10, last refit 30
+    assert (res["growth_from_refit"], res["growth_to_refit"]) == (10, 30)
+    assert res["rows"]["flat"]["pass"] and not res["rows"]["grows"]["pass"]
+    g = res["rows"]["grows"]["metrics"]["rss_mib"]
+    assert g["growth_pct"] == pytest.approx(6.0) and g["values"] == [1.0, 100.0, 100.0, 106.0]
+    assert not res["flat"] and res["all_bit_exact"]
+    text = table("relay", res)
+    assert "grows" in text and "NO" in text and "6.0%" in text
+
+
+def test_analyse_missing_row_and_refit_checks_fail() -> None:
+    run = _run({"a": [1.0, 1.0, 1.0, 1.0]})
+    del run["samples"][-1]["rows"]["a"]  # the process vanished: growth unknown, not a pass
+    run["refits"] = [
+        {"refit": 1, "killed": True, "attempts": 1, "bit_exact": True},
+        {"refit": 2, "killed": False, "attempts": 2, "bit_exact": False},
+    ]
+    res = analyse(run, warmup=0, max_growth=5.0)
+    assert res["rows"]["a"]["metrics"]["fds"]["growth_pct"] is None
+    assert not res["rows"]["a"]["pass"] and not res["flat"]
+    assert not res["all_bit_exact"]
+    assert res["kills_not_two_attempts"] == [1] and res["unkilled_retries"] == [2]
+
+
+def test_dir_bytes_separates_commit_history(tmp_path: Path) -> None:
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "commits" / "v1.json").write_bytes(b"x" * 7)
+    (tmp_path / "attempts").mkdir()
+    (tmp_path / "attempts" / "a.json").write_bytes(b"y" * 5)
+    assert dir_bytes(tmp_path) == (12, 7)
+    assert dir_bytes(tmp_path / "missing") == (0, 0)
+
+
+def test_soak_rejects_bad_arguments(tmp_path: Path) -> None:
+    for args in (["--transports", "ftp"], ["--refits", "10", "--warmup", "10"]):
+        r = subprocess.run(
+            [PYTHON, "-m", "dcr_tools.cli", "soak", *args, "--out", str(tmp_path)],
+            cwd=REPO,
+            env=base_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and "dcr soak:" in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.s3
+@pytest.mark.zmq
+@pytest.mark.timeout(3000)
+def test_reduced_soak_is_bit_exact_and_flat(tmp_path: Path) -> None:
+    """60 refits per transport (relay tree, S3 on moto), the rollout engine killed mid-apply at
+    refits 15 and 45, samples every 10 refits, growth from refit 20 to 60 within 5 %."""
+    out, log = tmp_path / "soak", tmp_path / "soak.log"
+    args = [
+        PYTHON, "-m", "dcr_tools.cli", "soak", "--refits", "60", "--transports", "relay,s3",
+        "--kill-every", "30", "--sample-every", "10", "--warmup", "20", "--assert-flat",
+        "--out", str(out),
+    ]  # fmt: skip
+    with open(log, "w") as log_f:
+        proc = subprocess.Popen(
+            args, cwd=REPO, env=base_env(), stdout=log_f, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=2900)
+        finally:
+            kill_group(proc)
+    text = log.read_text(errors="replace")
+    report = json.loads((out / "soak.json").read_text())
+    grown: dict[str, list[str]] = {}
+    for t in ("relay", "s3"):
+        run = report["transports"][t]
+        res = run["result"]
+        assert not run["error"], f"{t}: {run['error']}\n{text[-4000:]}"
+        assert res["refits_done"] == 60 and res["all_bit_exact"], text[-4000:]
+        assert res["kills"] == 2 and not res["kills_not_two_attempts"], res
+        assert not res["unkilled_retries"], res
+        assert len({r["digest"] for r in run["refits"]}) == 60  # every refit changed weights
+        # every process of the cluster is sampled, from the first sample to the last
+        names = set(res["rows"])
+        assert {"coordinator", "trainer/rank0", "trainer/rank1", "rollout", "reference"} <= names
+        assert ({"relay-root", "relay-rollout0"} if t == "relay" else {"moto"}) <= names
+        assert any(n.startswith("rollout/VLLM::Worker") for n in names), names
+        grown[t] = [
+            f"{n}.{m}"
+            for n, row in res["rows"].items()
+            for m, mm in row["metrics"].items()
+            if not mm["pass"]
+        ]
+        assert f"== {t}: growth from refit 20 to refit 60" in text
+    assert not grown["s3"], f"s3 rows grew more than 5 %: {grown['s3']}\n{text[-6000:]}"
+    if grown["relay"]:
+        # relay node spools have no retention yet (issue 19 item 1): only their disk may grow
+        assert set(grown["relay"]) <= {"relay-root.disk_kib", "relay-rollout0.disk_kib"}, (
+            f"relay rows grew more than 5 %: {grown['relay']}\n{text[-6000:]}"
+        )
+        assert proc.returncode == 1  # --assert-flat
+        pytest.xfail(f"relay spools grow without retention: {grown['relay']}")
+    assert proc.returncode == 0, text[-4000:]
