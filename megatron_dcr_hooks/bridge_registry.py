@@ -278,12 +278,13 @@ class _StubBridgeBase:
 
     def provider_bridge(self, hf_pretrained: Any) -> ProviderRecord:
         hf_config = hf_pretrained.config
-        rope_scaling = getattr(hf_config, "rope_scaling", None)
-        if (
-            isinstance(rope_scaling, dict)
-            and (rope_scaling.get("type") or rope_scaling.get("rope_type")) == "yarn"
-        ):
-            raise CompatibilityError("DCR's provider record does not translate YaRN RoPE scaling")
+        # transformers 5 keeps the scaling in rope_parameters, older configs in rope_scaling
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = getattr(hf_config, key, None)
+            if isinstance(rope, dict) and (rope.get("type") or rope.get("rope_type")) == "yarn":
+                raise CompatibilityError(
+                    f"DCR's provider record does not translate YaRN RoPE scaling ({key})"
+                )
         record = ProviderRecord(**self.hf_config_to_provider_kwargs(hf_config))
         pc = self.PROVIDER_CLASS
         record.provider_class = None if pc is None else _source_of(pc)

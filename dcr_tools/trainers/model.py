@@ -121,6 +121,11 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     record = vars(provider_record(hf_config)).copy()
     record.pop("provider_class", None)
     arch = record.pop("architecture")
+    if record.get("position_embedding_type", "rope") != "rope":
+        raise ValueError(
+            f"{arch}: position embedding {record['position_embedding_type']!r}; the CPU builder "
+            "covers plain RoPE only"
+        )
     if record.get("normalization", "LayerNorm") != "RMSNorm":
         raise ValueError(
             f"{arch}: normalization {record.get('normalization', 'LayerNorm')!r}; the CPU "

@@ -138,3 +138,15 @@ def test_provider_settings_come_from_the_bridge() -> None:
 
     with pytest.raises(ValueError, match="MLAModelProvider"):
         provider_settings(_cfg("DeepseekV3ForCausalLM", kv_lora_rank=16, q_lora_rank=None))
+    # YaRN (GPT-OSS) is refused, whether the config carries it as rope_scaling or (transformers
+    # 5) rope_parameters, and a non-RoPE position embedding set by a bridge is refused too
+    from shared_codec.errors import CompatibilityError
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(CompatibilityError, match="YaRN"):
+        provider_settings({**oss, "rope_scaling": yarn})
+    with pytest.raises(CompatibilityError, match="YaRN"):
+        provider_settings({**oss, "rope_parameters": {**yarn, "rope_theta": 150000.0}})
+    with pytest.raises(ValueError, match="position embedding 'yarn'"):
+        provider_settings(oss)  # the GPT-OSS bridge itself sets position_embedding_type="yarn"
