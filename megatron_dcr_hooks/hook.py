@@ -79,7 +79,9 @@ class ConstructionMode(StrEnum):
 class DCRConfig:
     """What a Megatron training config carries to enable DCR (frozen, keyword-only).
 
-    `model_type`: HF model type of the bridge registry ("qwen3", "qwen3_moe").
+    `architecture`: the HF architecture whose megatron-bridge bridge converts the model
+    (``bridge_registry.architecture_of(config.json)``, e.g. "LlamaForCausalLM"); a
+    ``model_type`` that exactly one bridge registers ("qwen3") also resolves.
     `mode`: `ConstructionMode` or its letter "X" (default), "P" or "F" (converted here; any
     other value raises ValueError). `bucket_bytes`: raw record bytes per payload.
     `key`: shared secret for keyed payload digests. `paper_codec`: the paper's plain streams.
@@ -94,7 +96,7 @@ class DCRConfig:
     never steps between build and commit (e.g. driven by the coordinator) may turn it off.
     """
 
-    model_type: str = "qwen3"
+    architecture: str = "Qwen3ForCausalLM"
     mode: ConstructionMode | str = ConstructionMode.X  # a ConstructionMode after __post_init__
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     key: bytes | None = None
@@ -202,7 +204,7 @@ class DCRHook:
         self.world = self.groups.world.size
         self.payloads: list[bytes] = []
         self.tasks: list[Task] = build_tasks(
-            self.model, config.model_type, self.groups, force_residual=config.force_residual
+            self.model, config.architecture, self.groups, force_residual=config.force_residual
         )
         self.owned = [t for t in self.tasks if owns(t, self.groups)]
         self.owned_idx = {t.index for t in self.owned}

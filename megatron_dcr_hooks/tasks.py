@@ -119,7 +119,7 @@ def _probe(pt: ParamTask, ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def build_tasks(
     model: Any,
-    model_type: str,
+    architecture: str,
     groups: ParallelGroups,
     *,
     force_residual: tuple[str, ...] = (),
@@ -129,7 +129,7 @@ def build_tasks(
     mapping class names to treat as residual even when affine (e.g. ``("QKVMapping",)``
     reproduces the paper's 96% setting)."""
     return classify_tasks(
-        conversion_tasks(model, model_type, groups), groups, force_residual=force_residual
+        conversion_tasks(model, architecture, groups), groups, force_residual=force_residual
     )
 
 

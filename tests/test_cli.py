@@ -6,15 +6,21 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from dcr_tools.fixtures import canonical_shapes, spec_for
-from dcr_tools.procs import PYTHON
+from dcr_tools.procs import PYTHON, base_env
 from shared_codec.checkpoint import load_checkpoint
 
 DCR = str(Path(PYTHON).with_name("dcr"))
 
 
-def _dcr(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([DCR, *args], capture_output=True, text=True, timeout=120)
+def _dcr(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # base_env puts this checkout first on PYTHONPATH (the console script's editable install
+    # may point at another checkout)
+    return subprocess.run(
+        [DCR, *args], capture_output=True, text=True, timeout=timeout, env=base_env()
+    )
 
 
 def test_help_lists_commands() -> None:
@@ -83,6 +89,23 @@ def test_bench_construct_small_run_writes_json(tmp_path: Path) -> None:
         assert by[(rate, "X")]["payload_bytes"] < by[(rate, "P")]["payload_bytes"]
         assert 0 < by[(rate, "X")]["scan_efficiency"]
     assert res["affine_share"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_bench_affine_classifies_every_verified_family(tmp_path: Path) -> None:
+    out = tmp_path / "affine.json"
+    r = _dcr("bench", "affine", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["family"]: row for row in json.loads(out.read_text())["families"]}
+    assert set(rows) == {"llama", "qwen2", "qwen3", "qwen3-moe"}
+    for fam, row in rows.items():
+        assert row["dcr"]["tiny"]["affine_share"] == 1.0, fam
+        assert row["dcr"]["published"]["affine_share"] == 1.0, fam
+        residual = row["qkv_residual"]["residual_tensors"]
+        assert residual and all(".self_attn." in n and "_proj." in n for n in residual), fam
+        assert 0.8 < row["qkv_residual"]["published"]["affine_share"] < 1.0, fam
+    assert any(n.endswith("q_proj.bias") for n in rows["qwen2"]["qkv_residual"]["residual_tensors"])
 
 
 def _payload(tmp: Path, key: bytes | None = None) -> tuple[Path, list]:

@@ -75,28 +75,3 @@ def test_megatron_layer_refuses_vllm_process() -> None:
     assert "refused: megatron_dcr_hooks.cpu_compat must not be enabled" in r.stdout, r.stderr[
         -2000:
     ]
-
-
-def test_bridge_registry_is_the_bridges_own() -> None:
-    from megatron_dcr_hooks import bridge_loader
-
-    reg = bridge_loader.mapping_registry_for("qwen3")
-    pm = bridge_loader.load_conversion().param_mapping
-    qkv = reg.megatron_to_hf_lookup("decoder.layers.3.self_attention.linear_qkv.weight")
-    assert isinstance(qkv, pm.QKVMapping)
-    assert qkv.hf_param == {
-        "q": "model.layers.3.self_attn.q_proj.weight",
-        "k": "model.layers.3.self_attn.k_proj.weight",
-        "v": "model.layers.3.self_attn.v_proj.weight",
-    }
-    # the local spec's standalone norm name resolves through the registry's aliases
-    norm = reg.megatron_to_hf_lookup("decoder.layers.0.input_layernorm.weight")
-    assert norm is not None and norm.hf_param == "model.layers.0.input_layernorm.weight"
-    moe = bridge_loader.mapping_registry_for("qwen3_moe")
-    fc1 = moe.megatron_to_hf_lookup(
-        "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
-    )
-    assert isinstance(fc1, pm.GatedMLPMapping)
-    assert fc1.hf_param["gate"] == "model.layers.1.mlp.experts.5.gate_proj.weight"
-    with pytest.raises(ValueError, match="no megatron-bridge registry"):
-        bridge_loader.mapping_registry_for("llama")

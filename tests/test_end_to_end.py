@@ -1,6 +1,7 @@
 """End to end: real Megatron optimizer steps (2 gloo ranks, TP=2, the owner hook in mode X)
 produce payloads; a real vLLM engine holding v0 stages and applies them; its digest equals the
-digest of a dense load of the bridge's v1 export, and greedy tokens match."""
+digest of a dense load of the bridge's v1 export, and greedy tokens match. One case per verified
+family (Qwen2 and Qwen3-MoE with EP=2 in the slow lane)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,23 @@ from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
 
 @pytest.mark.megatron
 @pytest.mark.vllm
-def test_training_step_refit_is_bit_exact_on_vllm(tiny_models, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "tp", "ep"),
+    [
+        ("qwen3", 2, 1),
+        ("llama", 2, 1),  # Llama-3 style: untied, no QK-norm
+        # ~65 s each: one new family in the default lane, the others in the slow lane
+        pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),  # QKV biases
+        pytest.param("qwen3-moe", 1, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_training_step_refit_is_bit_exact_on_vllm(
+    kind: str, tp: int, ep: int, tiny_models, tmp_path: Path
+) -> None:
     exports = tmp_path / "exports"
     run_torchrun(
         REPO / "tests/megatron/worker_owner.py",
-        ["--ckpt", str(tiny_models["qwen3"]), "--tp", "2", "--dir", str(tmp_path / "p"),
+        ["--ckpt", str(tiny_models[kind]), "--tp", str(tp), "--ep", str(ep), "--dir", str(tmp_path / "p"),
          "--report", str(tmp_path / "owner.json"), "--save-exports", str(exports)],
         tmp=tmp_path,
     )  # fmt: skip

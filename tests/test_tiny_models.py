@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcr_tools.fixtures import KINDS, canonical_shapes, spec_for, write_tiny_model
+from dcr_tools.fixtures import FAMILIES, KINDS, canonical_shapes, spec_for, write_tiny_model
 from shared_codec.checkpoint import bits_equal, load_checkpoint, tensor_digest
 
 
@@ -41,7 +41,22 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
     mcfg = json.loads((tiny_models["qwen3-moe"] / "config.json").read_text())
     assert (mcfg["num_experts"], mcfg["num_experts_per_tok"]) == (8, 2)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in moe
-    for kind, weights in (("qwen3", dense), ("qwen3-tied", tied), ("qwen3-moe", moe)):
+    llama = load_checkpoint(tiny_models["llama"])
+    assert "lm_head.weight" in llama  # untied
+    assert not any("q_norm" in n or n.endswith(".bias") for n in llama)  # no QK-norm, no bias
+    qwen2 = load_checkpoint(tiny_models["qwen2"])
+    assert "model.layers.0.self_attn.k_proj.bias" in qwen2  # QKV biases
+    assert not any("q_norm" in n for n in qwen2)
+    for kind in KINDS:
+        arch = json.loads((tiny_models[kind] / "config.json").read_text())["architectures"]
+        assert arch == [FAMILIES[kind][0]]
+    for kind, weights in (
+        ("qwen3", dense),
+        ("qwen3-tied", tied),
+        ("qwen3-moe", moe),
+        ("llama", llama),
+        ("qwen2", qwen2),
+    ):
         shapes = canonical_shapes(spec_for(kind))
         assert {n: tuple(t.shape) for n, t in weights.items()} == shapes
         assert all(t.dtype == torch.bfloat16 for t in weights.values())
@@ -71,4 +86,4 @@ def test_loads_offline_with_transformers(tiny_models: dict[str, Path]) -> None:
 
 def test_unknown_kind_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown tiny model kind"):
-        write_tiny_model("llama", tmp_path)
+        write_tiny_model("gpt2", tmp_path)

@@ -85,6 +85,7 @@ def main() -> None:
 
     from dcr_tools.fixtures import hf_config, spec_for
     from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
 
     rank = dist.get_rank()
@@ -104,7 +105,8 @@ def main() -> None:
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     hooks = {
         m: DCRHook(
-            [model], DCRConfig(mode=m, model_type="qwen3", wrap_step=False, encode_threads=0)
+            [model],
+            DCRConfig(mode=m, architecture=architecture_of(cfg), wrap_step=False, encode_threads=0),
         )
         for m in ("X", "P", "F")
     }

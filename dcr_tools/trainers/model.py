@@ -1,11 +1,17 @@
-"""Build a megatron-core GPTModel (local spec) for a Hugging Face Qwen3 / Qwen3-MoE config.
+"""Build a megatron-core GPTModel (local spec) on CPU for a Hugging Face config, from the bridge.
 
-Used by tests, benchmarks and the demo to get real Megatron trainer ranks on CPU. Production
-training stacks build their own models (Megatron-LM, NeMo, Megatron-Bridge providers); DCR only
-needs the model chunks and the optimizer they already have.
+The model's settings come from megatron-bridge itself: `bridge_registry.provider_record` runs
+the resolved bridge's own ``provider_bridge`` (its CONFIG_MAPPING plus the family's settings:
+QK-norm, QKV bias, untied embeddings, MoE options...). This module only adds the CPU choices:
+the local (non-Transformer-Engine) layer spec, bf16, fusions off, dropout off, deterministic MoE
+routing settings, and the parallel layout. Used by tests, benchmarks and the demo to get real
+Megatron trainer ranks on CPU. Production training stacks build their own models (Megatron-LM,
+NeMo, Megatron-Bridge providers); DCR only needs the model chunks and the optimizer they have.
 
 Limitations:
-1. Qwen3 and Qwen3-MoE configs only (RMSNorm, SwiGLU, QK-norm, RoPE, no biases).
+1. GPT-style families whose provider is ``GPTModelProvider`` and whose norm is RMSNorm
+   (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE); MLA, Mamba and other provider
+   classes raise ValueError naming the provider.
 2. Pipeline parallelism is not wired here (PP=1); MoE with TP>1 turns on sequence parallelism
    (megatron requires it) and uses ``cpu_compat.SPRMSNorm`` for every norm.
 3. Fusions are off (CPU): bias-activation, softmax, RoPE, gradient-accumulation fusion.
@@ -57,63 +63,104 @@ def rope_theta_of(hf_config: dict[str, Any]) -> float:
     raise ValueError("HF config has no rope_theta (neither top-level nor in rope_parameters)")
 
 
+#: CPU choices applied on top of the bridge's provider settings (module docstring).
+_CPU_SETTINGS: dict[str, Any] = {
+    "hidden_dropout": 0.0,
+    "attention_dropout": 0.0,
+    "bf16": True,
+    "fp16": False,
+    "params_dtype": torch.bfloat16,
+    "pipeline_dtype": torch.bfloat16,
+    "use_cpu_initialization": True,
+    "perform_initialization": True,
+    "bias_activation_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "attention_softmax_in_fp32": True,
+}
+
+#: MoE choices for deterministic CPU tests (SequentialMLP experts, no load-balancing loss).
+_CPU_MOE_SETTINGS: dict[str, Any] = {
+    "moe_router_load_balancing_type": "none",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_grouped_gemm": False,
+    "moe_router_dtype": "fp32",
+    "moe_permute_fusion": False,
+}
+
+#: Provider fields that are GPTModel arguments, not TransformerConfig fields.
+_MODEL_ARGS = (
+    "vocab_size",
+    "seq_length",
+    "share_embeddings_and_output_weights",
+    "position_embedding_type",
+    "rotary_percent",
+    "rotary_base",
+    "rope_scaling",
+    "rope_scaling_factor",
+)
+
+
+def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The bridge's provider settings for `hf_config` (``bridge_registry.provider_record``).
+
+    ValueError when the family needs a builder this module does not have (its provider class
+    or norm is named)."""
+    from megatron_dcr_hooks.bridge_registry import provider_record, resolve
+
+    reg = resolve(hf_config)
+    if reg.provider not in (None, "GPTModelProvider"):
+        raise ValueError(
+            f"{reg.architecture}: the bridge builds it with {reg.provider}; the CPU builder "
+            "covers GPTModelProvider families only"
+        )
+    record = vars(provider_record(hf_config)).copy()
+    record.pop("provider_class", None)
+    arch = record.pop("architecture")
+    if record.get("position_embedding_type", "rope") != "rope":
+        raise ValueError(
+            f"{arch}: position embedding {record['position_embedding_type']!r}; the CPU builder "
+            "covers plain RoPE only"
+        )
+    if record.get("normalization", "LayerNorm") != "RMSNorm":
+        raise ValueError(
+            f"{arch}: normalization {record.get('normalization', 'LayerNorm')!r}; the CPU "
+            "builder's SP-aware norm is RMSNorm only"
+        )
+    return record
+
+
 def transformer_config_from_hf(
     hf_config: dict[str, Any], layout: ParallelLayout, **overrides: Any
 ) -> Any:
-    """A megatron ``TransformerConfig`` equivalent to a Qwen3 / Qwen3-MoE HF config dict."""
+    """A megatron ``TransformerConfig`` for `hf_config`: the bridge's provider settings, the
+    CPU settings above, the parallel layout, then `overrides`."""
+    import dataclasses
+
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    moe = int(hf_config.get("num_experts", 0) or 0) > 0
-    kwargs: dict[str, Any] = {
-        "num_layers": hf_config["num_hidden_layers"],
-        "hidden_size": hf_config["hidden_size"],
-        "num_attention_heads": hf_config["num_attention_heads"],
-        "num_query_groups": hf_config["num_key_value_heads"],
-        "kv_channels": hf_config.get("head_dim")
-        or hf_config["hidden_size"] // hf_config["num_attention_heads"],
-        "ffn_hidden_size": hf_config["intermediate_size"],
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": hf_config["rms_norm_eps"],
-        "gated_linear_unit": True,
-        "activation_func": torch.nn.functional.silu,
-        "add_bias_linear": False,
-        "add_qkv_bias": False,
-        "qk_layernorm": True,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "bf16": True,
-        "params_dtype": torch.bfloat16,
-        "pipeline_dtype": torch.bfloat16,
-        "tensor_model_parallel_size": layout.tp,
-        "pipeline_model_parallel_size": layout.pp,
-        "expert_model_parallel_size": layout.ep,
-        "sequence_parallel": moe and layout.tp > 1,
-        "use_cpu_initialization": True,
-        "perform_initialization": True,
-        "bias_activation_fusion": False,
-        "masked_softmax_fusion": False,
-        "persist_layer_norm": False,
-        "bias_dropout_fusion": False,
-        "apply_rope_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "attention_softmax_in_fp32": True,
-    }
+    settings = provider_settings(hf_config)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kwargs = {k: v for k, v in settings.items() if k in fields}
+    moe = int(kwargs.get("num_moe_experts") or 0) > 0
+    kwargs.update(_CPU_SETTINGS)
+    kwargs.update(
+        {
+            "tensor_model_parallel_size": layout.tp,
+            "pipeline_model_parallel_size": layout.pp,
+            "expert_model_parallel_size": layout.ep,
+            "sequence_parallel": moe and layout.tp > 1,
+        }
+    )
     if moe:
-        kwargs.update(
-            {
-                "num_moe_experts": hf_config["num_experts"],
-                "moe_router_topk": hf_config["num_experts_per_tok"],
-                "moe_ffn_hidden_size": hf_config["moe_intermediate_size"],
-                "moe_router_load_balancing_type": "none",
-                "moe_aux_loss_coeff": 0.0,
-                "moe_token_dispatcher_type": "alltoall",
-                "moe_grouped_gemm": False,
-                "moe_router_pre_softmax": not hf_config.get("norm_topk_prob", True),
-                "moe_router_dtype": "fp32",
-                "expert_tensor_parallel_size": layout.etp,
-                "moe_permute_fusion": False,
-            }
-        )
+        kwargs.update(_CPU_MOE_SETTINGS)
+        kwargs["expert_tensor_parallel_size"] = layout.etp
+    else:
+        kwargs["num_moe_experts"] = None
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -127,50 +174,56 @@ def layer_spec(config: Any) -> Any:
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=False,
-        qk_layernorm=True,
+        qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
     )
     sub = spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
-    attn = sub.self_attention.submodules
-    attn.q_layernorm = SPRMSNorm
-    attn.k_layernorm = SPRMSNorm
+    if config.qk_layernorm:
+        attn = sub.self_attention.submodules
+        attn.q_layernorm = SPRMSNorm
+        attn.k_layernorm = SPRMSNorm
     return spec
 
 
 def build_gpt_model(hf_config: dict[str, Any], layout: ParallelLayout, **overrides: Any) -> Any:
     """A GPTModel for `hf_config` on this rank (parallel_state must be initialised).
 
-    Vocabulary is the HF vocabulary exactly (it must divide by TP); embeddings are tied iff
-    ``tie_word_embeddings``.
+    Vocabulary is the HF vocabulary exactly (it must divide by TP); embeddings are tied iff the
+    bridge's provider says so (``tie_word_embeddings``).
     """
     from megatron.core.models.gpt import GPTModel
-
-    config = transformer_config_from_hf(hf_config, layout, **overrides)
-    vocab = int(hf_config["vocab_size"])
-    if vocab % layout.tp:
-        raise ValueError(f"vocab_size {vocab} must be divisible by TP={layout.tp}")
-
-    # A block spec (not a layer spec) so the final norm is SPRMSNorm too.
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from megatron_dcr_hooks.cpu_compat import SPRMSNorm
 
+    settings = provider_settings(hf_config)
+    config = transformer_config_from_hf(hf_config, layout, **overrides)
+    vocab = int(settings["vocab_size"])
+    if vocab % layout.tp:
+        raise ValueError(f"vocab_size {vocab} must be divisible by TP={layout.tp}")
+    rope: dict[str, Any] = {}
+    if settings.get("rope_scaling"):
+        rope = {"rope_scaling": True, "rope_scaling_factor": settings["rope_scaling_factor"]}
+    # A block spec (not a layer spec) so the final norm is SPRMSNorm too.
     block = TransformerBlockSubmodules(
         layer_specs=[layer_spec(config)] * config.num_layers, layer_norm=SPRMSNorm
     )
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=vocab,
-        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+        max_sequence_length=int(settings.get("seq_length", 4096)),
         pre_process=True,
         post_process=True,
         parallel_output=True,
-        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_percent=1.0,
+        share_embeddings_and_output_weights=bool(
+            settings.get("share_embeddings_and_output_weights", False)
+        ),
+        position_embedding_type=settings.get("position_embedding_type", "rope"),
+        rotary_percent=float(settings.get("rotary_percent", 1.0)),
+        # read explicitly: a config without it would get the bridge's silent default base
         rotary_base=int(rope_theta_of(hf_config)),
+        **rope,
     )
-    return model

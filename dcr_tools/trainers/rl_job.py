@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from dcr_tools.trainers.trainer import Trainer, start
 
     cfg, model, _ = start(args.ckpt, args.tp, 1)
+    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
     from megatron_dcr_hooks.service import Handler, OwnerService
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(model, cfg, distributed_optimizer=False, lr=args.lr)
     hook = DCRHook(
         [model],
-        DCRConfig(model_type=cfg["model_type"], wrap_step=False, bucket_bytes=args.bucket_bytes),
+        DCRConfig(
+            architecture=architecture_of(cfg), wrap_step=False, bucket_bytes=args.bucket_bytes
+        ),
     )
 
     def train(req: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         return trainer.pg_step(list(req["samples"]))
 
     def export(req: dict[str, Any]) -> dict[str, Any]:
-        tensors = export_hf_weights(model, cfg["model_type"])
+        tensors = export_hf_weights(model, architecture_of(cfg))
         if dist.get_rank() == 0:
             save_checkpoint(tensors, req["path"], like=args.ckpt)
         dist.barrier()

@@ -31,6 +31,7 @@ def start(ckpt: str, tp: int, ep: int) -> tuple[dict, Any, dict[str, torch.Tenso
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import hf_getter, load_hf_weights
     from shared_codec.checkpoint import load_checkpoint
 
@@ -39,7 +40,7 @@ def start(ckpt: str, tp: int, ep: int) -> tuple[dict, Any, dict[str, torch.Tenso
     cfg = json.loads((Path(ckpt) / "config.json").read_text())
     hf = load_checkpoint(ckpt)
     model = build_gpt_model(cfg, ParallelLayout(tp=tp, ep=ep))
-    load_hf_weights(model, cfg["model_type"], hf_getter(hf))
+    load_hf_weights(model, architecture_of(cfg), hf_getter(hf))
     return cfg, model, hf
 
 

@@ -46,7 +46,9 @@ def test_config_mode_takes_the_enum_or_its_letter() -> None:
 
 
 def test_config_is_frozen_and_keyword_only() -> None:
-    c = DCRConfig(model_type="qwen3", overwrite_only={"a.weight"}, force_residual=["QKVMapping"])
+    c = DCRConfig(
+        architecture="Qwen3ForCausalLM", overwrite_only={"a.weight"}, force_residual=["QKVMapping"]
+    )
     assert c.overwrite_only == frozenset({"a.weight"}) and isinstance(c.overwrite_only, frozenset)
     assert c.force_residual == ("QKVMapping",)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -128,7 +130,7 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     def no_megatron() -> ParallelGroups:
         raise AssertionError("ParallelGroups.from_megatron() called below the constructor")
 
-    def fake_build_tasks(model: FakeModel, model_type: str, groups: ParallelGroups, **kw: Any):
+    def fake_build_tasks(model: FakeModel, architecture: str, groups: ParallelGroups, **kw: Any):
         return classify_tasks(model.param_tasks(), groups, **kw)
 
     monkeypatch.setattr(ParallelGroups, "from_megatron", staticmethod(no_megatron))

@@ -19,6 +19,8 @@ CASES = [
     ("moe-ep2", "qwen3-moe", 1, 2, []),
     ("tp2-qkv-residual", "qwen3", 2, 1, ["--force-residual", "QKVMapping"]),
     ("tied-tp2", "qwen3-tied", 2, 1, []),
+    ("llama-tp2", "llama", 2, 1, []),  # Llama-3 style: untied, no QK-norm
+    ("qwen2-tp2", "qwen2", 2, 1, []),  # Qwen2: QKV biases
 ]
 
 

@@ -33,6 +33,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg, model, _ = start(args.ckpt, args.tp, args.ep)
+    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
     from shared_codec.checkpoint import bits_equal, save_checkpoint
@@ -40,12 +41,12 @@ def main() -> None:
     from shared_codec.records import Kind, apply_items
 
     rank = dist.get_rank()
-    mtype = cfg["model_type"]
+    mtype = architecture_of(cfg)
     trainer = Trainer(model, cfg, distributed_optimizer=args.distributed_optimizer, lr=3e-4)
     opt = trainer.opt
     force = tuple(x for x in args.force_residual.split(",") if x)
     common = {
-        "model_type": mtype,
+        "architecture": mtype,
         "bucket_bytes": 4096,
         "wrap_step": False,
         "force_residual": force,

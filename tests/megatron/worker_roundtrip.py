@@ -92,11 +92,12 @@ def main() -> None:
     cfg, model, hf = start(args.ckpt, args.tp, args.ep)
     from megatron.core import parallel_state as ps
 
+    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import conversion_tasks, export_hf_weights
     from shared_codec.checkpoint import bits_equal
 
     rank = dist.get_rank()
-    model_type = cfg["model_type"]
+    model_type = architecture_of(cfg)
     tasks = conversion_tasks(model, model_type)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     report: dict = {

@@ -1,0 +1,152 @@
+"""``dcr bench affine``: the affine share of canonical weight bytes per verified family.
+
+Runs as a 2-rank gloo job (torchrun, TP=2). For each verified family (the fixture kinds) it
+builds the tiny model from the bridge's provider settings, classifies every conversion task by
+probing the bridge (``tasks.build_tasks``: affine = a pure placement of source elements), once as
+DCR runs (every mapping that is affine is projected) and once with ``QKVMapping`` forced residual
+(the paper's setting for its 96.3%). Reported per family: the share measured on the tiny model,
+and the share projected to a published model size: the measured classification of each canonical
+tensor (layer and expert indices folded) weighted by that tensor's bytes at the published shape
+(``fixtures.canonical_shapes`` with the published dimensions). Rank 0 prints the table and
+writes the JSON.
+
+Limitations:
+1. The projection assumes the published model has the same tensor set as the tiny fixture of its
+   family (true for these dense and MoE configs; checked: every projected name is classified).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+#: fixture kind -> (published model, its dimensions as fixture overrides)
+PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "Llama-3.1-8B",
+        {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128},
+    ),
+    "qwen2": (
+        "Qwen2-7B",
+        {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+         "head_dim": 128},
+    ),
+    "qwen3": (
+        "Qwen3-8B",
+        {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128},
+    ),
+    "qwen3-moe": (
+        "Qwen3-30B-A3B",
+        {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+         "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+         "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 768},
+    ),
+}  # fmt: skip
+
+SETTINGS = {"dcr": (), "qkv_residual": ("QKVMapping",)}
+
+
+def fold(name: str) -> str:
+    """Canonical name with layer and expert indices replaced by ``*``."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def classify(model: Any, architecture: str, force: tuple[str, ...]) -> dict[str, Any]:
+    """Measured classification (folded canonical name -> affine?) and the tiny model's share."""
+    from megatron_dcr_hooks.groups import ParallelGroups
+    from megatron_dcr_hooks.tasks import TaskKind, affine_share, build_tasks
+
+    tasks = build_tasks(model, architecture, ParallelGroups.from_megatron(), force_residual=force)
+    kinds: dict[str, bool] = {}
+    for t in tasks:
+        for name in t.hf_shapes:
+            affine = t.kind is TaskKind.AFFINE
+            prev = kinds.setdefault(fold(name), affine)
+            if prev != affine:
+                raise AssertionError(f"{fold(name)} is affine in one layer and not in another")
+    return {"kinds": kinds, "tiny": affine_share(tasks)}
+
+
+def projected_share(kind: str, kinds: dict[str, bool]) -> dict[str, float]:
+    from dcr_tools.fixtures import canonical_shapes, spec_for
+
+    shapes = canonical_shapes(spec_for(kind, **PUBLISHED[kind][1]))
+    total = affine = 0
+    for name, shape in shapes.items():
+        folded = fold(name)
+        if folded not in kinds:
+            raise AssertionError(f"{name} of the published shape was not classified")
+        nbytes = int(np.prod(shape)) * 2  # bf16
+        total += nbytes
+        affine += nbytes if kinds[folded] else 0
+    return {"affine_bytes": affine, "canonical_bytes": total, "affine_share": affine / total}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="dcr bench affine")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    from megatron_dcr_hooks import cpu_compat
+
+    cpu_compat.enable()
+    dist.init_process_group("gloo")
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from dcr_tools.fixtures import hf_config, spec_for
+    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+    from megatron_dcr_hooks.bridge_registry import architecture_of
+
+    layout = ParallelLayout(tp=2)
+    layout.initialize()
+    model_parallel_cuda_manual_seed(1234)
+    rows = []
+    for kind in PUBLISHED:
+        cfg = hf_config(spec_for(kind))
+        arch = architecture_of(cfg)
+        model = build_gpt_model(cfg, layout)
+        row: dict[str, Any] = {
+            "family": kind,
+            "architecture": arch,
+            "published": PUBLISHED[kind][0],
+        }
+        for setting, force in SETTINGS.items():
+            c = classify(model, arch, force)
+            row[setting] = {
+                "tiny": c["tiny"],
+                "published": projected_share(kind, c["kinds"]),
+                "residual_tensors": sorted(k for k, v in c["kinds"].items() if not v),
+            }
+        rows.append(row)
+    if dist.get_rank() == 0:
+        print(f"{'family':10s} {'architecture':22s} {'published':15s} "
+              f"{'DCR tiny':>9s} {'DCR pub':>8s} {'QKV-res tiny':>13s} {'QKV-res pub':>12s}")  # fmt: skip
+        for r in rows:
+            print(
+                f"{r['family']:10s} {r['architecture']:22s} {r['published']:15s} "
+                f"{100 * r['dcr']['tiny']['affine_share']:8.2f}% "
+                f"{100 * r['dcr']['published']['affine_share']:7.2f}% "
+                f"{100 * r['qkv_residual']['tiny']['affine_share']:12.2f}% "
+                f"{100 * r['qkv_residual']['published']['affine_share']:11.2f}%"
+            )
+        if args.json:
+            Path(args.json).write_text(json.dumps({"families": rows}, indent=2) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

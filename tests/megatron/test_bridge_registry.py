@@ -1,0 +1,152 @@
+"""The bridge is resolved from the HF architectures through megatron-bridge's own registrations
+(no DCR model table): every architecture the installed bridge registers resolves, the mapping
+registry and provider settings are the bridge's own, unknown architectures are clear errors.
+In-process (imports the installed megatron-bridge modules); no ranks, no engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dcr_hooks import bridge_loader, bridge_registry
+
+#: what megatron-bridge 0.3.1 registers (bridge_loader.CHECKED_BRIDGE pins the version)
+EXPECTED = {
+    "DeciLMForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM",
+    "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "GptOssForCausalLM",
+    "LlamaForCausalLM", "Mistral3ForConditionalGeneration", "MistralForCausalLM",
+    "NemotronForCausalLM", "NemotronHForCausalLM", "NemotronH_Nano_VL_V2", "OlmoeForCausalLM",
+    "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+}  # fmt: skip
+
+
+def _cfg(arch: str, **kw: object) -> dict:
+    base = {
+        "architectures": [arch], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
+        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "max_position_embeddings": 512,
+    }  # fmt: skip
+    base.update(kw)
+    return base
+
+
+def test_every_registered_architecture_resolves() -> None:
+    found = bridge_registry.discover()
+    print(f"\n{len(found.registrations)} architectures registered by megatron-bridge:")
+    for arch, reg in sorted(found.registrations.items()):
+        print(f"  {arch:40s} {reg.module} ({reg.bridge_class.__name__})")
+    assert found.unavailable == {}, found.unavailable  # every bridge module imports on CPU
+    assert set(found.registrations) == EXPECTED, set(found.registrations) ^ EXPECTED
+    # nothing a module's source registers is dropped
+    declared = {s for sources in found.declared.values() for s in sources}
+    assert declared <= set(found.registrations) | {"Mistral3ForConditionalGeneration"}
+    for arch, reg in found.registrations.items():
+        assert bridge_registry.resolve(arch) is reg
+        registry = reg.mapping_registry()
+        assert len(registry.mappings) > 0, arch
+
+
+def test_resolution_follows_autobridge() -> None:
+    # AutoBridge takes the first architecture with a supported suffix
+    assert "ForCausalLM" in bridge_registry.supported_suffixes()
+    cfg = _cfg("LlamaForCausalLM")
+    cfg["architectures"] = ["LlamaModel", "LlamaForCausalLM"]
+    assert bridge_registry.architecture_of(cfg) == "LlamaForCausalLM"
+    assert bridge_registry.resolve(cfg).bridge_class.__name__ == "LlamaBridge"
+    # a model_type that one bridge registers (register_bridge(model_type=...)) also resolves
+    assert bridge_registry.resolve("qwen3_moe").architecture == "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match="no 'architectures'"):
+        bridge_registry.architecture_of({"model_type": "llama"})
+    with pytest.raises(ValueError, match="ends with"):
+        bridge_registry.architecture_of({"architectures": ["LlamaModel"]})
+
+
+def test_unknown_architecture_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'.*registers 24"):
+        bridge_registry.resolve("FrobnicatorForCausalLM")
+    with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'"):
+        bridge_registry.mapping_registry_for(_cfg("FrobnicatorForCausalLM"))
+
+
+def test_unimportable_bridge_module_is_named_with_its_error(monkeypatch) -> None:
+    """Unit (a fake module entry in the discovery state): an architecture whose only bridge
+    module failed to import is reported with that module and its import error."""
+    st = bridge_registry._state()
+    fake = "megatron.bridge.models.fake.fake_bridge"
+    monkeypatch.setitem(st.declared, fake, ["FakeForCausalLM"])
+    monkeypatch.setitem(st.unavailable, fake, "ImportError: no module named 'fake_kernels'")
+    monkeypatch.setattr(st, "imported", st.imported | {fake})
+    with pytest.raises(ValueError, match=r"fake_bridge, which cannot be imported.*fake_kernels"):
+        bridge_registry.resolve("FakeForCausalLM")
+
+
+def test_mapping_registries_are_the_bridges_own() -> None:
+    pm = bridge_loader.load_conversion().param_mapping
+    reg = bridge_registry.mapping_registry_for("Qwen3ForCausalLM")
+    qkv = reg.megatron_to_hf_lookup("decoder.layers.3.self_attention.linear_qkv.weight")
+    assert isinstance(qkv, pm.QKVMapping)
+    assert qkv.hf_param == {
+        "q": "model.layers.3.self_attn.q_proj.weight",
+        "k": "model.layers.3.self_attn.k_proj.weight",
+        "v": "model.layers.3.self_attn.v_proj.weight",
+    }
+    # the local spec's standalone norm name resolves through the registry's aliases
+    norm = reg.megatron_to_hf_lookup("decoder.layers.0.input_layernorm.weight")
+    assert norm is not None and norm.hf_param == "model.layers.0.input_layernorm.weight"
+    moe = bridge_registry.mapping_registry_for("Qwen3MoeForCausalLM")
+    fc1 = moe.megatron_to_hf_lookup(
+        "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
+    )
+    assert isinstance(fc1, pm.GatedMLPMapping)
+    assert fc1.hf_param["gate"] == "model.layers.1.mlp.experts.5.gate_proj.weight"
+    qwen2 = bridge_registry.mapping_registry_for("Qwen2ForCausalLM")
+    bias = qwen2.megatron_to_hf_lookup("decoder.layers.0.self_attention.linear_qkv.bias")
+    assert isinstance(bias, pm.QKVMapping)
+    assert bias.hf_param["k"] == "model.layers.0.self_attn.k_proj.bias"
+    llama = bridge_registry.mapping_registry_for("LlamaForCausalLM")
+    assert llama.megatron_to_hf_lookup("decoder.layers.0.self_attention.q_layernorm.weight") is None
+    head = llama.megatron_to_hf_lookup("output_layer.weight")
+    assert head is not None and head.hf_param == "lm_head.weight"
+
+
+def test_provider_settings_come_from_the_bridge() -> None:
+    q3 = bridge_registry.provider_record(_cfg("Qwen3ForCausalLM"))
+    assert q3.qk_layernorm is True and q3.add_qkv_bias is False
+    q2 = bridge_registry.provider_record(_cfg("Qwen2ForCausalLM", attention_bias=True))
+    assert q2.add_qkv_bias is True and not getattr(q2, "qk_layernorm", False)
+    llama = bridge_registry.provider_record(_cfg("LlamaForCausalLM", attention_bias=False))
+    assert not getattr(llama, "qk_layernorm", False) and llama.add_qkv_bias is False
+    assert llama.share_embeddings_and_output_weights is False
+    assert llama.activation_func is torch.nn.functional.silu
+    assert (llama.num_layers, llama.num_query_groups, llama.kv_channels) == (2, 2, 32)
+    assert llama.params_dtype is torch.bfloat16
+    moe = bridge_registry.provider_record(
+        _cfg("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    )
+    assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (8, 2, 64)
+    # transformers 5 keeps rope_theta in rope_parameters: it must not fall back to a default
+    t5 = _cfg("LlamaForCausalLM")
+    t5["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
+    del t5["rope_theta"]
+    assert bridge_registry.provider_record(t5).rotary_base == 500000.0
+    # a family the CPU builder does not cover says which provider it needs
+    from dcr_tools.trainers.model import provider_settings
+
+    with pytest.raises(ValueError, match="MLAModelProvider"):
+        provider_settings(_cfg("DeepseekV3ForCausalLM", kv_lora_rank=16, q_lora_rank=None))
+    # YaRN (GPT-OSS) is refused, whether the config carries it as rope_scaling or (transformers
+    # 5) rope_parameters, and a non-RoPE position embedding set by a bridge is refused too
+    from shared_codec.errors import CompatibilityError
+
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(CompatibilityError, match="YaRN"):
+        provider_settings({**oss, "rope_scaling": yarn})
+    with pytest.raises(CompatibilityError, match="YaRN"):
+        provider_settings({**oss, "rope_parameters": {**yarn, "rope_theta": 150000.0}})
+    with pytest.raises(ValueError, match="position embedding 'yarn'"):
+        provider_settings(oss)  # the GPT-OSS bridge itself sets position_embedding_type="yarn"
