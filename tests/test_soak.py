@@ -130,12 +130,6 @@ def test_reduced_soak_is_bit_exact_and_flat(tmp_path: Path) -> None:
             if not mm["pass"]
         ]
         assert f"== {t}: growth from refit 20 to refit 60" in text
-    assert not grown["s3"], f"s3 rows grew more than 5 %: {grown['s3']}\n{text[-6000:]}"
-    if grown["relay"]:
-        # relay node spools have no retention yet (issue 19 item 1): only their disk may grow
-        assert set(grown["relay"]) <= {"relay-root.disk_kib", "relay-rollout0.disk_kib"}, (
-            f"relay rows grew more than 5 %: {grown['relay']}\n{text[-6000:]}"
-        )
-        assert proc.returncode == 1  # --assert-flat
-        pytest.xfail(f"relay spools grow without retention: {grown['relay']}")
+    for t in ("relay", "s3"):  # retention everywhere: relay spools and delivered sets too
+        assert not grown[t], f"{t} rows grew more than 5 %: {grown[t]}\n{text[-6000:]}"
     assert proc.returncode == 0, text[-4000:]
