@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +227,22 @@ def _generate(server: Server, max_tokens: int, started: threading.Event, out: li
     out.append((tokens, final))
 
 
+def _wait_running(server: Server, timeout_s: float = 120.0) -> None:
+    """Wait until vLLM's own ``vllm:num_requests_running`` gauge shows a request in the engine.
+
+    The stream is no such signal: on 2 cores the API server can deliver a whole stream in one
+    burst when the request ends, so its first tokens may arrive after the request has finished.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = requests.get(server.url + "/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no request running in the engine after {timeout_s} s")
+
+
 def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     engine, _, _ = trainer(server, tmp_path)
     assert server.weight_version() == "0"
@@ -247,7 +264,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     started, done = threading.Event(), []
     t = threading.Thread(target=_generate, args=(server, 8000, started, done))
     t.start()
-    assert started.wait(120)
+    _wait_running(server)  # the request needs ~20 s of engine time on 2 cores
     with pytest.raises(RefitFailed, match=r"request gate closed .*1 request\(s\) still hold"):
         gate.refit()
     # sync RL's other way out: pause(abort) ends the rollout, then resume
@@ -269,7 +286,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         started, done = threading.Event(), []
         t = threading.Thread(target=_generate, args=(server, 2000, started, done))
         t.start()
-        assert started.wait(120)
+        _wait_running(server)
         server.post("/pause", mode="keep")
         assert requests.get(server.url + "/is_paused", timeout=30).json()["is_paused"] is True
         res = engine.send_weights()  # (first round: the retry of the refused attempt)
