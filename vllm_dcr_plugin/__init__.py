@@ -2,7 +2,8 @@
 
 - ``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process
   (API server, engine core, workers), possibly several times; it is re-entrant. It installs the
-  conditional CPU loader condition (vllm_dcr_plugin.cpu_compat), the worker glue
+  conditional CPU loader condition (vllm_dcr_plugin.cpu_compat), the post-load derived-tensor
+  tracing (vllm_dcr_plugin.derived), the worker glue
   (vllm_dcr_plugin.worker: pause tracking, the shared receiver) and registers the weight-transfer
   backend ``dcr`` with vLLM's worker and trainer factories (vllm_dcr_plugin.transfer).
 - Front door 1: ``DCRWorkerExtension`` is what ``vllm serve --worker-extension-cls
@@ -37,6 +38,12 @@ def register() -> None:
         cpu_compat.install()
     except Exception:  # a plugin must never take the engine down at import
         logger.exception("DCR plugin: CPU loader condition not installed")
+    try:
+        from vllm_dcr_plugin import derived
+
+        derived.install()
+    except Exception:
+        logger.exception("DCR plugin: derived-tensor tracing not installed")
     try:
         worker.install()
     except Exception:

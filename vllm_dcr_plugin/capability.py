@@ -56,6 +56,7 @@ class Capabilities:
     overwrite_only: dict[str, str]
     unsupported: dict[str, str]
     plan: PlacementPlan
+    writes: dict[str, frozenset[str]]  # traced tensor -> the model tensors its loader writes
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -125,6 +126,7 @@ def probe(
         overwrite_only=overwrite_only,
         unsupported=unsupported,
         plan=build_plan(traces, direct, model),
+        writes={n: frozenset(r.param for r in recs) for n, recs in traces.items()},
     )
 
 

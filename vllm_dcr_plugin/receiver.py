@@ -30,7 +30,7 @@ from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin import faults
+from vllm_dcr_plugin import derived, faults
 from vllm_dcr_plugin.ack import Ack, Tally
 from vllm_dcr_plugin.apply import apply_staged
 from vllm_dcr_plugin.capability import numel, probe
@@ -83,6 +83,9 @@ class Receiver:
         self.target_version: int | None = None
         self.last_ack: Ack | None = None
         self.metrics = ReceiverMetrics(int(rank.get("rank", 0)))
+        # canonical tensor -> the post-load units that re-derive what it feeds (derived.py)
+        self.rederive_units: dict[str, set[derived.Unit]] = {}
+        self.derived_refused: dict[str, str] = {}
 
     @property
     def _rank(self) -> int:
@@ -108,6 +111,7 @@ class Receiver:
         self.skipped = set(caps.skipped)
         self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
         self.plan = caps.plan
+        derived_report = self._plan_derived(caps.writes)
         self.committed_version = int(committed_version)
         self.state = after
         self.staging.new_transition()
@@ -121,7 +125,75 @@ class Receiver:
             "scratch_bytes": int(scratch.numel()),
             "committed_version": self.committed_version,
             **self._plan_report(),
+            "derived": derived_report,
         }
+
+    def _plan_derived(self, writes: dict[str, frozenset[str]]) -> dict[str, Any]:
+        """Map canonical tensors to the post-load units that re-derive the derived tensors
+        their loader writes feed (derived.py); verify each unit once; refuse (``unsupported``,
+        naming layer and tensor) what cannot be re-derived. Returns the report."""
+        self.rederive_units = {}
+        table = derived.table_for(self.model)
+        if table is None:
+            log.warning(
+                "dcr_prewarm: this model's post-load step was not traced (not loaded through "
+                "vLLM's loader with DCR enabled): derived tensors cannot be checked"
+            )
+            return {"traced": False, "tensors": [], "views": [], "refused": 0}
+        by_source: dict[str, list[derived.Derived]] = {}
+        for d in table.derived.values():
+            for src in d.sources:
+                by_source.setdefault(src, []).append(d)
+        refused: dict[str, str] = {}
+        loaded = set().union(*writes.values()) if writes else set()
+        for name, params in writes.items():
+            feeds = [d for p in sorted(params) for d in by_source.get(p, [])]
+            # a loader destination rewritten in place: its resident bits are not loader layout
+            bad = next(
+                (d for d in feeds if d.unit is None or (d.rewritten and d.path in loaded)), None
+            )
+            if bad is not None:
+                how = "rewritten in place" if bad.rewritten else "derived outside a layer's step"
+                refused[name] = (
+                    f"feeds derived tensor {bad.path} ({how} by process_weights_after_loading); "
+                    "DCR cannot re-derive it after an in-place apply"
+                )
+            elif feeds:
+                self.rederive_units[name] = {d.unit for d in feeds if d.unit is not None}
+        units = set().union(*self.rederive_units.values()) if self.rederive_units else set()
+        for unit in sorted(units):
+            why = derived.verify_unit(self.model, table, unit)
+            if why is None:
+                continue
+            for name, us in list(self.rederive_units.items()):
+                if unit in us:
+                    del self.rederive_units[name]
+                    refused[name] = f"feeds derived tensors of {unit[1]} ({unit[0]} step): {why}"
+        self.derived_refused = refused
+        for name, why in refused.items():
+            log.warning("dcr_prewarm: refusing %s: %s", name, why)
+            self.unsupported[name] = why
+            self.overwrite_only.pop(name, None)
+        return {
+            "traced": True,
+            "tensors": sorted(table.derived),
+            "views": sorted(table.views),
+            "units": sorted(f"{k}:{p}" for k, p in units),
+            "rederived_tensors": len(self.rederive_units),
+            "refused": len(refused),
+        }
+
+    def _rederive(self, names: set[str] | None) -> int:
+        """Re-run the post-load units fed by `names` (all of them for None); returns how many."""
+        table = derived.table_for(self.model)
+        if table is None or not self.rederive_units:
+            return 0
+        units: set[derived.Unit] = set()
+        for name, us in self.rederive_units.items():
+            if names is None or name in names:
+                units |= us
+        derived.rederive(self.model, units, table.act_dtype)
+        return len(units)
 
     def _plan_report(self) -> dict[str, Any]:
         plan = self.plan or PlacementPlan()
@@ -155,14 +227,17 @@ class Receiver:
         stale = old.stale(current_tensors(self.model, old.params))
         caps = probe(self.model, self.tensors, scratch, self.loader_condition())
         diff = old.differences(caps.plan)
+        refused = self.derived_refused  # refusals for derived tensors stand (prewarm)
+        unsupported = {**caps.unsupported, **refused}
+        overwrite_only = {n: w for n, w in caps.overwrite_only.items() if n not in refused}
         classes_changed = (
             set(caps.skipped) != self.skipped
-            or caps.overwrite_only != self.overwrite_only
-            or caps.unsupported != self.unsupported
+            or overwrite_only != self.overwrite_only
+            or unsupported != self.unsupported
         )
         self.plan = caps.plan
         self.skipped = set(caps.skipped)
-        self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
+        self.overwrite_only, self.unsupported = overwrite_only, unsupported
         if diff:
             self.metrics.plan_mismatches.inc(len(diff))
             log.warning(
@@ -362,7 +437,9 @@ class Receiver:
             self.metrics.placed(tally)
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
+                self._rederive({it.name for p in staged for it in p.header.items})
             return tally.ack(ok=False, error=f"{type(e).__name__}: {e}")
+        self._rederive({it.name for p in staged for it in p.header.items})
         tally.total_s = time.perf_counter() - t_start
         self.metrics.placed(tally)
         if verify and tally.mismatches:
@@ -408,6 +485,11 @@ class Receiver:
         """Per-name digests of every parameter and buffer of this rank, and a combined one."""
         per = {n: tensor_digest(t) for n, t in self.model.named_parameters()}
         per.update({f"buffer:{n}": tensor_digest(t) for n, t in self.model.named_buffers()})
+        table = derived.table_for(self.model)  # derived tensors that are plain attributes
+        if table is not None:
+            named = set(per) | {n.removeprefix("buffer:") for n in per}
+            extra = set(table.derived) - named
+            per.update({f"derived:{n}": d for n, d in derived.digests(self.model, extra).items()})
         return {**self.rank, "digest": combined_digest(per), "tensors": per}
 
     def dense_load(self, path: str, version: int) -> dict[str, Any]:
@@ -427,6 +509,7 @@ class Receiver:
                 f"is dirty at committed version {self.committed_version}: dense-load a good "
                 "checkpoint or retry with overwrites"
             ) from None
+        self._rederive(None)
         self.metrics.dense_loads.inc()
         self.metrics.committed.set(int(version))
         self.committed_version = int(version)

