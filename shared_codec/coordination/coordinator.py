@@ -432,8 +432,12 @@ class Coordinator:
                 res.unreachable.add(r.name)
         try:
             self.owners.abort(version, res.attempt)
-        except Exception as e:
-            raise RefitFailed(f"owners could not abort attempt {res.attempt}: {e}") from e
+        except Exception as e:  # say why the attempt failed too (e.g. a trainer rank died)
+            raise RefitFailed(
+                f"refit to version {version} failed: attempt {res.attempt}: {res.failed}; then "
+                f"the owners could not abort it: {e}; nothing committed (committed version "
+                f"{committed} stays)"
+            ) from e
         for r in self.engines:  # alive-but-failed engines are repaired by the overwrite retry
             if r.name in res.unreachable:
                 self.log(f"restoring engine {r.name} to committed version {committed}")
