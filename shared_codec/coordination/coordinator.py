@@ -159,6 +159,13 @@ class RefitResult:
 _VERSION_IN_KEY = re.compile(r"(?:^|/)v(\d{12})/")
 
 
+_NO_RECORD = (
+    "no commit record yet in the control store: a new run calls Coordinator.initialize() for "
+    "version 0; if the participants already hold a committed version, the control store was "
+    "lost or replaced - do not initialize (the owners would refuse every build), restore it"
+)
+
+
 def _attempt_key(version: int, attempt: int) -> str:
     return f"{ATTEMPTS}v{version:012d}/a{attempt:06d}.json"
 
@@ -201,7 +208,7 @@ class Coordinator:
     def committed_version(self) -> int:
         cur = self.commits.current()
         if cur is None:
-            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+            raise DCRError(_NO_RECORD)
         return cur.version
 
     def initialize(self, baseline_id: str = "v0") -> CommitRecord:
@@ -235,7 +242,7 @@ class Coordinator:
         may not have seen; returns the committed version."""
         cur = self.commits.current()
         if cur is None:
-            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+            raise DCRError(_NO_RECORD)
         for r in self.engines:
             r.commit(cur.version)
         self.owners.commit(cur.version)
