@@ -355,6 +355,24 @@ def test_every_attempt_failing_raises_and_leaves_the_commit_record(tmp_path: Pat
         assert s.events.of(e.name, "abort") == [(e.name, "abort", a) for a in range(3)]
 
 
+def test_owners_gone_mid_build_raises_naming_the_build_failure(tmp_path: Path) -> None:
+    """A trainer rank dies mid-build and the owner service goes down with it: the abort fails
+    too, and `RefitFailed` names both (the build's error first), with nothing committed."""
+    s = Setup(tmp_path)
+    s.owners.fail_builds.add(0)
+
+    def gone(version: int, attempt: int) -> None:
+        raise ConnectionError("owner service at tcp://trainer: no reply to 'abort' in 30s")
+
+    s.owners.abort = gone  # type: ignore[method-assign]
+    with pytest.raises(RefitFailed) as err:
+        s.coord.refit()
+    msg = str(err.value)
+    assert "attempt 0: {'owners': 'RuntimeError: owner rank 1 lost'}" in msg, msg
+    assert "owners could not abort it: owner service" in msg and "version 0 stays" in msg, msg
+    assert s.commit_keys() == [_commit_key(0)]
+
+
 def test_candidate_moved_after_the_build_commits_nothing_and_restores_every_engine(
     tmp_path: Path,
 ) -> None:

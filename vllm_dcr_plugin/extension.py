@@ -62,7 +62,10 @@ def _rpc(fn: F) -> F:
 
     An exception raised on some ranks of a multi-rank ``collective_rpc`` leaves the other ranks'
     replies queued in vLLM's executor, so the next call would read stale replies. Every dcr_ RPC
-    therefore answers on every rank; successful answers carry ``"ok": True``. Arguments that do
+    therefore answers on every rank; successful answers carry ``"ok": True``. Every answer
+    names its RPC (``"rpc"``): a call that timed out inside vLLM's executor still answers later,
+    and the next call reads that late answer (vLLM 0.32's replies are not tagged), so a handle
+    can tell a stale reply from its own (`shared_codec.coordination.engines`). Arguments that do
     not bind to the method's signature (a wrong count, an unknown keyword) are a
     `ProtocolError` reply too; each method validates its arguments' values in `_arguments`.
     """
@@ -80,8 +83,14 @@ def _rpc(fn: F) -> F:
             out = fn(self, *args, **kwargs)
         except DCRError as e:
             rank = getattr(self, "rank", 0)
-            return {"ok": False, "rank": int(rank), "error": f"{type(e).__name__}: {e}"}
+            return {
+                "ok": False,
+                "rank": int(rank),
+                "error": f"{type(e).__name__}: {e}",
+                "rpc": fn.__name__,
+            }
         out.setdefault("ok", True)
+        out["rpc"] = fn.__name__
         return out
 
     return wrapper  # type: ignore[return-value]

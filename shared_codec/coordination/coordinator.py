@@ -159,6 +159,13 @@ class RefitResult:
 _VERSION_IN_KEY = re.compile(r"(?:^|/)v(\d{12})/")
 
 
+_NO_RECORD = (
+    "no commit record yet in the control store: a new run calls Coordinator.initialize() for "
+    "version 0; if the participants already hold a committed version, the control store was "
+    "lost or replaced - do not initialize (the owners would refuse every build), restore it"
+)
+
+
 def _attempt_key(version: int, attempt: int) -> str:
     return f"{ATTEMPTS}v{version:012d}/a{attempt:06d}.json"
 
@@ -201,7 +208,7 @@ class Coordinator:
     def committed_version(self) -> int:
         cur = self.commits.current()
         if cur is None:
-            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+            raise DCRError(_NO_RECORD)
         return cur.version
 
     def initialize(self, baseline_id: str = "v0") -> CommitRecord:
@@ -235,7 +242,7 @@ class Coordinator:
         may not have seen; returns the committed version."""
         cur = self.commits.current()
         if cur is None:
-            raise DCRError("no commit record yet: call Coordinator.initialize() for version 0")
+            raise DCRError(_NO_RECORD)
         for r in self.engines:
             r.commit(cur.version)
         self.owners.commit(cur.version)
@@ -432,8 +439,12 @@ class Coordinator:
                 res.unreachable.add(r.name)
         try:
             self.owners.abort(version, res.attempt)
-        except Exception as e:
-            raise RefitFailed(f"owners could not abort attempt {res.attempt}: {e}") from e
+        except Exception as e:  # say why the attempt failed too (e.g. a trainer rank died)
+            raise RefitFailed(
+                f"refit to version {version} failed: attempt {res.attempt}: {res.failed}; then "
+                f"the owners could not abort it: {e}; nothing committed (committed version "
+                f"{committed} stays)"
+            ) from e
         for r in self.engines:  # alive-but-failed engines are repaired by the overwrite retry
             if r.name in res.unreachable:
                 self.log(f"restoring engine {r.name} to committed version {committed}")

@@ -11,10 +11,19 @@ makes every worker fetch the attempt from the object store named by the store sp
 A launcher (``dcr_tools.procs.ServeProcess`` for local engines) restarts a dead engine on
 `HttpEngine.restore`.
 
+Replies out of step: a ``collective_rpc`` that times out inside vLLM's executor (vLLM 0.32,
+multiprocess executor) still answers later, and the next call reads that late answer instead of
+its own (vLLM's replies are not tagged). Every dcr_ RPC names itself in its reply (``"rpc"``);
+a handle that sees a timed-out call or a reply naming another RPC marks the engine out of step:
+every later call raises `EngineUnreachable` at once (so the coordinator fences and restores
+it), and `restore` restarts it (its launcher) before the dense load - a restart is the only
+way to bring the replies back in step.
+
 Limitations:
 1. The dev endpoints must not be exposed beyond the trusted control network (vLLM warns at
    start); put an authenticating proxy in front of them in production.
-2. `restore` restarts a dead engine only when a launcher was given; otherwise it raises.
+2. `restore` restarts a dead or out-of-step engine only when a launcher was given; otherwise
+   it raises.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ class HttpEngine:
         self.launcher = launcher
         self.verify = verify
         self.last: dict[str, Any] = {}
+        self.out_of_step = ""  # why this engine's replies cannot be trusted (module docstring)
 
     # -- HTTP ----------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
@@ -87,12 +97,39 @@ class HttpEngine:
 
     def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
         """vLLM's ``collective_rpc`` of `method` on every rank: the per-rank replies."""
-        out = self._post(
-            "/collective_rpc", {"method": method, "args": args, "timeout": timeout}, timeout + 30
-        )
+        self._in_step(method)
+        try:
+            out = self._post(
+                "/collective_rpc",
+                {"method": method, "args": args, "timeout": timeout},
+                timeout + 30,
+            )
+        except EngineUnreachable as e:
+            if "timed out" in str(e):  # inside vLLM's executor: its late reply is queued
+                self.out_of_step = f"{method} timed out inside vLLM ({e})"
+            raise
         replies = (out or {}).get("results")
         if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
             raise DCRError(f"receiver {self.name}: {method} returned {out!r}")
+        return self._own(method, replies)
+
+    def _in_step(self, method: str) -> None:
+        if self.out_of_step:
+            raise EngineUnreachable(
+                f"receiver {self.name}: not calling {method}: its replies are out of step "
+                f"({self.out_of_step}); restore (restart) the engine"
+            )
+
+    def _own(self, method: str, replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`replies` if they answer `method` (replies without ``"rpc"``: an older plugin);
+        else the engine is out of step (module docstring) and this raises."""
+        stale = sorted({str(r["rpc"]) for r in replies if r.get("rpc") not in (None, method)})
+        if stale:
+            self.out_of_step = f"{method} read the late reply of an earlier {', '.join(stale)}"
+            raise EngineUnreachable(
+                f"receiver {self.name}: {self.out_of_step} (vLLM's collective_rpc replies are "
+                "out of step after a call timed out); restore (restart) the engine"
+            )
         return replies
 
     def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
@@ -206,10 +243,12 @@ class HttpEngine:
     def restore(self, version: int) -> None:
         """Restart the engine if it died (needs a launcher), dense-load committed `version`,
         prewarm; the receiver is then clean at `version`."""
-        if not self.healthy():
+        if self.out_of_step or not self.healthy():
+            why = f"out of step ({self.out_of_step})" if self.out_of_step else "down"
             if self.launcher is None:
-                raise DCRError(f"receiver {self.name} is down and has no launcher to restart it")
+                raise DCRError(f"receiver {self.name} is {why} and has no launcher to restart it")
             self._relaunch()
+            self.out_of_step = ""
         self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
         self.reset_prefix_cache()
         self.prewarm(version)
@@ -265,11 +304,12 @@ class RayEngine(HttpEngine):
             raise EngineUnreachable(f"receiver {self.name} (Ray actor): {e}") from None
 
     def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
+        self._in_step(method)
         ref = self.actor.collective_rpc.remote(method, timeout=timeout, args=tuple(args))
         replies = self._get(ref, timeout + 30)
         if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
             raise DCRError(f"receiver {self.name}: {method} returned {replies!r}")
-        return replies
+        return self._own(method, replies)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
