@@ -139,6 +139,13 @@ def _bridge_base_tables(root: Path) -> tuple[list[tuple[str, str]], dict[str, An
 
     path = root / "models" / "conversion" / "model_bridge.py"
     config_mapping = ast.literal_eval(_literal(path, "MegatronModelBridge", "CONFIG_MAPPING"))
+    shared = root / "utils" / "activation_map.py"
+    if shared.is_file():
+        # megatron-bridge >= 0.4: the table moved out of the class into a module of its own
+        # that imports only torch and megatron-core (our namespace stand-ins skip the
+        # ``megatron.bridge.utils`` package __init__)
+        mod = importlib.import_module("megatron.bridge.utils.activation_map")
+        return [tuple(x) for x in config_mapping], dict(mod.ACTIVATION_FUNC_MAP)
     node = _literal(path, "MegatronModelBridge", "ACTIVATION_MAPPING")
     scope = {
         "F": torch.nn.functional,
