@@ -298,6 +298,22 @@ class _StubBridgeBase:
         return record
 
 
+def _register_implementation(*, source: Any, target: Any, bridge_class: Any) -> None:
+    """Stand-in for megatron-bridge >= 0.6's module-level ``register_bridge_implementation``
+    (an extra architecture name for an already decorated bridge class, e.g. an upstream
+    spelling): recorded like a ``register_bridge`` call, without a ``model_type``."""
+    pc = getattr(bridge_class, "PROVIDER_CLASS", None)
+    _Recorder.registrations.append(
+        {
+            "architecture": _source_of(source),
+            "bridge_class": bridge_class,
+            "target": _source_of(target),
+            "provider": None if pc is None else _source_of(pc),
+            "model_type": None,
+        }
+    )
+
+
 def _module_names(root: Path) -> list[tuple[str, Path]]:
     out = []
     for f in sorted((root / "models").rglob("*_bridge.py")):
@@ -317,6 +333,10 @@ def _declared_sources(path: Path) -> list[str]:
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr == "register_bridge"
+        ) or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "register_bridge_implementation"
         ):
             for kw in node.keywords:
                 if kw.arg == "source":
@@ -399,6 +419,7 @@ def _import_bridges(modules: list[str]) -> None:
     stub = types.ModuleType(_MODEL_BRIDGE)
     stub.MegatronModelBridge = _StubBridgeBase  # type: ignore[attr-defined]
     stub.WeightConversionTask = type("WeightConversionTask", (), {})  # type: ignore[attr-defined]
+    stub.register_bridge_implementation = _register_implementation  # type: ignore[attr-defined]
     placeholders = _placeholder_modules()
     swapped = {name: sys.modules.get(name) for name in (_MODEL_BRIDGE, *placeholders)}
     sys.modules[_MODEL_BRIDGE] = stub

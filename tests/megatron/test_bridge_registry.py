@@ -150,3 +150,62 @@ def test_provider_settings_come_from_the_bridge() -> None:
         provider_settings({**oss, "rope_parameters": {**yarn, "rope_theta": 150000.0}})
     with pytest.raises(ValueError, match="position embedding 'yarn'"):
         provider_settings(oss)  # the GPT-OSS bridge itself sets position_embedding_type="yarn"
+
+
+_TRAINER_PROBE = """
+import json
+from megatron_dcr_hooks import bridge_loader, bridge_registry, cpu_compat
+found = bridge_registry.discover()
+cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+       "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "hidden_act": "silu",
+       "torch_dtype": "bfloat16", "tie_word_embeddings": False, "max_position_embeddings": 512}
+rec = bridge_registry.provider_record(cfg)
+print(json.dumps({
+    "core": cpu_compat.check_version(), "bridge": bridge_loader.check_version(),
+    "registered": sorted(found.registrations), "unavailable": found.unavailable,
+    "registries": {a: type(bridge_registry.mapping_registry_for(a)).__name__ for a in
+                   ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM",
+                    "LlamaForCausalLM")},
+    "qwen3": {"rotary_base": rec.rotary_base, "qk_layernorm": rec.qk_layernorm,
+              "activation": rec.activation_func.__name__},
+}))
+"""
+
+
+@pytest.mark.megatron
+def test_the_trainer_env_resolves_the_verified_families() -> None:
+    """The same resolution in the trainer environment (`make setup`'s `.venv-trainer`: Python
+    3.12, megatron-core 0.19.2, megatron-bridge 0.6.2), in a process of its own: both version
+    checks pass, every verified family builds its registry, the provider settings are the
+    bridge's own (RoPE base read from transformers 5's ``rope_parameters``), and only the
+    bridge modules that need Transformer Engine are unavailable."""
+    import json
+    import subprocess
+    import sys
+
+    from dcr_tools.procs import REPO, base_env, trainer_python
+
+    python = trainer_python()
+    if python == sys.executable:
+        pytest.skip("no trainer environment (make setup builds .venv-trainer)")
+    out = subprocess.run(
+        [python, "-W", "ignore", "-c", _TRAINER_PROBE],
+        cwd=REPO,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["core"] in ("0.16.1", "0.19.2") and r["bridge"] in bridge_loader.CHECKED_BRIDGE
+    if r["bridge"] == "0.6.2":
+        assert len(r["registered"]) == 55, r["registered"]
+        assert {"DeepseekV4ForCausalLM", "Qwen3_5MoeForCausalLM", "ExaoneMoEForCausalLM"} <= set(
+            r["registered"]
+        )
+        assert all("transformer_engine" in e for e in r["unavailable"].values()), r["unavailable"]
+    assert set(r["registries"].values()) == {"MegatronMappingRegistry"}
+    assert r["qwen3"] == {"rotary_base": 1e6, "qk_layernorm": True, "activation": "silu"}
