@@ -144,6 +144,17 @@ def trainer_python() -> str:
     return str(venv) if venv.exists() else PYTHON
 
 
+def python_version(python: str) -> str:
+    """``"3.12.1"``: the version of interpreter `python` (for logs that say which env runs)."""
+    out = subprocess.run(
+        [python, "-c", "import sys; print(sys.version.split()[0])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip() or "unknown"
+
+
 def torchrun_cmd(module: str, args: list[str], nproc: int = 2) -> list[str]:
     """The command line of an `nproc`-rank job running ``python -m module args`` on loopback
     (torch.distributed.run with a free master port) on the trainer interpreter
