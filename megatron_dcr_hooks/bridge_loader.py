@@ -153,3 +153,19 @@ def _apply_fixes(pm: Any) -> None:
     base.gather_from_ep_ranks = gather_from_ep_ranks
     base.__dcr_fixed__ = True
 
+
+def import_bridge_module(name: str) -> types.ModuleType:
+    """Import one module of the installed megatron-bridge (e.g.
+    ``megatron.bridge.training.callbacks``) with its parent packages registered as namespace
+    stand-ins, so no package ``__init__`` runs. Version-checked like `load_conversion`; the
+    module's own imports must be installed (callbacks needs nothing beyond the standard
+    library)."""
+    if not name.startswith("megatron.bridge."):
+        raise ValueError(f"{name!r} is not a megatron-bridge module")
+    load_conversion()
+    root = _bridge_root()
+    parts = name.split(".")[2:-1]  # packages below megatron.bridge
+    for i in range(1, len(parts) + 1):
+        pkg = root.joinpath(*parts[:i])
+        _register_namespace("megatron.bridge." + ".".join(parts[:i]), pkg)
+    return importlib.import_module(name)
