@@ -17,6 +17,8 @@ TPY := $(TRAINER_VENV)/bin/python
 TRAINER_STAMP := $(TRAINER_VENV)/.dcr-setup-stamp
 TRAINER_PINS := torch==2.13.0 megatron-core==0.19.2 transformers==5.12.1 einops
 TRAINER_BRIDGE := megatron-bridge==0.6.2
+# `make test` runs the in-process units on the trainer interpreter too
+TRAINER_TEST := 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
 # PY312=/path/to/python3.12 overrides the search (python3.12 on PATH, then pyenv)
 PY312 ?=
 export HF_HUB_OFFLINE := 1
@@ -24,7 +26,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-trainer test-trainer311 lint demo clean
 
 setup: $(STAMP) setup-trainer setup-browser
 
@@ -106,14 +108,26 @@ $(TRAINER_STAMP): pyproject.toml Makefile
 	echo "[setup-trainer] installing dcr (editable) with extras megatron,s3,zmq"; \
 	$(TPY) -m pip install -q -e '.[megatron,s3,zmq]' >$(TRAINER_VENV)/.dcr-install.log 2>&1 \
 	  || { cat $(TRAINER_VENV)/.dcr-install.log; exit 1; }; \
+	echo "[setup-trainer] installing the test runner: $(TRAINER_TEST)"; \
+	$(TPY) -m pip install -q $(TRAINER_TEST) || exit 1; \
 	$(TPY) -c "import importlib.metadata as m, torch; print('[setup-trainer] torch', torch.__version__, '| megatron-core', m.version('megatron-core'), '| megatron-bridge', m.version('megatron-bridge'), '| transformers', m.version('transformers'))" || exit 1; \
 	touch $(TRAINER_STAMP); \
 	echo "[setup-trainer] done in $$(( $$(date +%s) - start )) s ($$(du -sh $(TRAINER_VENV) | cut -f1))"
 
+# pytest runs on the rollout env (.venv, 3.11): vLLM engines in-process or as children there,
+# trainer ranks on .venv-trainer. Then the in-process units (codec, layering, owner side with
+# megatron-core 0.19.2 / megatron-bridge 0.6.2) run once more on the trainer interpreter.
+TRAINER_UNITS := -m "not slow and not s3 and not megatron and not vllm" tests/shared_codec tests/test_layering.py tests/megatron
 test: setup
 	@start=$$(date +%s); \
 	$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
-	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
+	echo "[test] in-process units on the trainer env ($$($(TPY) --version))"; \
+	$(TPY) -m pytest -q $(TRAINER_UNITS); rc2=$$?; \
+	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; [ $$rc = 0 ] && exit $$rc2; exit $$rc
+
+# just the in-process units on the trainer interpreter (Python 3.12)
+test-trainer: setup
+	$(TPY) -m pytest $(TRAINER_UNITS) $(PYTEST_ARGS)
 
 test-slow: setup
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)

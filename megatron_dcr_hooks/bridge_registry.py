@@ -62,10 +62,27 @@ class BridgeRegistration:
     provider: str | None = None  # provider class name when the bridge names one
     model_type: str | None = None
 
-    def mapping_registry(self) -> Any:
-        """The bridge's own ``MegatronMappingRegistry``."""
+    def mapping_registry(self, hf_config: Mapping[str, Any] | None = None) -> Any:
+        """The bridge's own ``MegatronMappingRegistry``. Some megatron-bridge 0.6 bridges
+        (DeepSeek, GLM-4.5/5, Nemotron-H, ...) build it from the HF config, which AutoBridge
+        sets on the bridge first: `hf_config` is set the same way when given; without it such
+        a bridge raises `CompatibilityError` naming it."""
         cls: Any = self.bridge_class
-        return cls.mapping_registry(cls.__new__(cls))
+        bridge = cls.__new__(cls)
+        if hf_config is not None:
+            view = _ConfigView(hf_config)
+            bridge.hf_config = view
+            bridge.hf_pretrained = types.SimpleNamespace(config=view)
+        try:
+            return cls.mapping_registry(bridge)
+        except AttributeError as e:
+            if hf_config is None and getattr(e, "name", None) in ("hf_config", "hf_pretrained"):
+                raise CompatibilityError(
+                    f"{self.module}.{cls.__name__} builds its mapping registry from the HF "
+                    f"config ({e.name}); DCR resolves it from the architecture name only, so "
+                    f"{self.architecture} is not supported by the owner hook yet"
+                ) from e
+            raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,10 +342,22 @@ def _module_names(root: Path) -> list[tuple[str, Path]]:
 
 
 def _declared_sources(path: Path) -> list[str]:
-    """``source=`` arguments of ``register_bridge(...)`` calls in a module's source (read only
-    to name the architectures of a module that cannot be imported)."""
+    """``source=`` arguments of ``register_bridge(...)`` / ``register_bridge_implementation(...)``
+    calls in a module's source (read only to name the architectures of a module that cannot be
+    imported). A name bound to a string at module level (megatron-bridge 0.6 writes
+    ``source=_QWEN3_5_MOE_HF_CLASS_NAME``) is resolved to that string."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -343,7 +372,7 @@ def _declared_sources(path: Path) -> list[str]:
                     if isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
                         names.append(kw.value.value)
                     elif isinstance(kw.value, ast.Name):
-                        names.append(kw.value.id)
+                        names.append(constants.get(kw.value.id, kw.value.id))
     return names
 
 
@@ -505,8 +534,11 @@ def resolve(key: str | Mapping[str, Any]) -> BridgeRegistration:
 
 
 def mapping_registry_for(key: str | Mapping[str, Any]) -> Any:
-    """megatron-bridge's own ``MegatronMappingRegistry`` for `key` (see `resolve`)."""
+    """megatron-bridge's own ``MegatronMappingRegistry`` for `key` (see `resolve`); an HF
+    config dict is also handed to the bridge (`BridgeRegistration.mapping_registry`)."""
     reg = resolve(key)
+    if isinstance(key, Mapping):
+        return reg.mapping_registry(key)
     cache_key = f"registry:{reg.architecture}"
     if cache_key not in _cache:
         _cache[cache_key] = reg.mapping_registry()

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from megatron_dcr_hooks import bridge_loader, bridge_registry
+from shared_codec.errors import CompatibilityError
 
-#: what megatron-bridge 0.3.1 registers (bridge_loader.CHECKED_BRIDGE pins the version)
-EXPECTED = {
+#: what each checked megatron-bridge registers (bridge_loader.CHECKED_BRIDGE pins the versions):
+#: 0.3.1 in the rollout env (Python 3.11), 0.6.2 in the trainer env (Python 3.12, with einops)
+EXPECTED_031 = {
     "DeciLMForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
     "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM",
     "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "GptOssForCausalLM",
@@ -20,6 +22,47 @@ EXPECTED = {
     "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+}  # fmt: skip
+EXPECTED_062 = {
+    "BailingMoeV2ForCausalLM", "DeciLMForCausalLM", "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_VLMoeForConditionalGeneration", "Exaone4ForCausalLM",
+    "Exaone4_5_ForConditionalGeneration", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM",
+    "FalconH1ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM", "Glm4vMoeForConditionalGeneration", "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM", "HYV3ForCausalLM", "KimiK25ForConditionalGeneration",
+    "KimiK2ForCausalLM", "LlamaForCausalLM", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiniMaxM2ForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    "Mistral3ForConditionalGeneration", "MistralForCausalLM", "NemotronForCausalLM",
+    "NemotronHForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+    "OlmoeForCausalLM", "Qwen2AudioForConditionalGeneration", "Qwen2ForCausalLM",
+    "Qwen2_5OmniForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ASRForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3OmniMoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration", "SarvamMLAForCausalLM", "SarvamMoEForCausalLM",
+    "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration",
+}  # fmt: skip
+#: bridge modules that cannot import on CPU, by version (they need Transformer Engine)
+UNAVAILABLE = {
+    "0.3.1": set(),
+    "0.6.2": {
+        "megatron.bridge.models.gemma.gemma4_bridge",
+        "megatron.bridge.models.gemma_vl.gemma4_vl_bridge",
+    },
+}
+EXPECTED = {"0.3.1": EXPECTED_031, "0.6.2": EXPECTED_062}[bridge_loader.check_version()]
+#: bridges that build their mapping registry from the HF config (not resolvable by name alone)
+NEEDS_CONFIG = {
+    "0.3.1": set(),
+    "0.6.2": {
+        "BailingMoeV2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+        "DeepseekV4ForCausalLM", "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration",
+        "GlmMoeDsaForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM", "Step3p5ForCausalLM",
+        "Step3p7ForConditionalGeneration",
+    },
 }  # fmt: skip
 
 
@@ -39,15 +82,26 @@ def test_every_registered_architecture_resolves() -> None:
     print(f"\n{len(found.registrations)} architectures registered by megatron-bridge:")
     for arch, reg in sorted(found.registrations.items()):
         print(f"  {arch:40s} {reg.module} ({reg.bridge_class.__name__})")
-    assert found.unavailable == {}, found.unavailable  # every bridge module imports on CPU
+    # every bridge module imports on CPU, except those that need Transformer Engine
+    assert set(found.unavailable) == UNAVAILABLE[bridge_loader.check_version()], found.unavailable
+    assert all("transformer_engine" in e for e in found.unavailable.values())
     assert set(found.registrations) == EXPECTED, set(found.registrations) ^ EXPECTED
-    # nothing a module's source registers is dropped
-    declared = {s for sources in found.declared.values() for s in sources}
+    # nothing an importable module's source registers is dropped
+    declared = {
+        s for m, sources in found.declared.items() if m not in found.unavailable for s in sources
+    }
     assert declared <= set(found.registrations) | {"Mistral3ForConditionalGeneration"}
+    needs_config = set()
     for arch, reg in found.registrations.items():
         assert bridge_registry.resolve(arch) is reg
-        registry = reg.mapping_registry()
+        try:
+            registry = reg.mapping_registry()
+        except CompatibilityError as e:  # built from the HF config (bridge 0.6): named
+            assert arch in str(e) and "from the HF config" in str(e)
+            needs_config.add(arch)
+            continue
         assert len(registry.mappings) > 0, arch
+    assert needs_config == NEEDS_CONFIG[bridge_loader.check_version()], needs_config
 
 
 def test_resolution_follows_autobridge() -> None:
@@ -66,7 +120,7 @@ def test_resolution_follows_autobridge() -> None:
 
 
 def test_unknown_architecture_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'.*registers 24"):
+    with pytest.raises(ValueError, match=f"'FrobnicatorForCausalLM'.*registers {len(EXPECTED)}"):
         bridge_registry.resolve("FrobnicatorForCausalLM")
     with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'"):
         bridge_registry.mapping_registry_for(_cfg("FrobnicatorForCausalLM"))
@@ -125,7 +179,13 @@ def test_provider_settings_come_from_the_bridge() -> None:
     assert (llama.num_layers, llama.num_query_groups, llama.kv_channels) == (2, 2, 32)
     assert llama.params_dtype is torch.bfloat16
     moe = bridge_registry.provider_record(
-        _cfg("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+        _cfg(
+            "Qwen3MoeForCausalLM",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,  # bridge 0.6 reads it (every Qwen3-MoE config.json has it)
+        )
     )
     assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (8, 2, 64)
     # transformers 5 keeps rope_theta in rope_parameters: it must not fall back to a default
@@ -143,7 +203,7 @@ def test_provider_settings_come_from_the_bridge() -> None:
     from shared_codec.errors import CompatibilityError
 
     yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
-    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, sliding_window=128)
     with pytest.raises(CompatibilityError, match="YaRN"):
         provider_settings({**oss, "rope_scaling": yarn})
     with pytest.raises(CompatibilityError, match="YaRN"):
