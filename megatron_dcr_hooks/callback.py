@@ -3,8 +3,8 @@
 Megatron-Bridge (0.6) trains with ``pretrain(config, forward_step_func, callbacks=[...])``; its
 loop fires ``on_train_start`` (model and optimizer ready, before the first step) and, after
 every optimizer step, ``on_train_step_end`` with ``skipped_iter`` (the optimizer refused the
-update: non-finite gradients, a rerun-state-machine skip). Megatron-LM main has the same
-callback system. ``DCRCallback(DCRConfig(...))`` plugs DCR into it::
+update: non-finite gradients, a rerun-state-machine skip); checked against Bridge 0.3.1's and
+0.6.2's ``CallbackManager``. ``DCRCallback(DCRConfig(...))`` plugs DCR into it::
 
     from megatron_dcr_hooks import DCRCallback, DCRConfig
 
