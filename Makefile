@@ -52,6 +52,12 @@ setup-browser:
 	fi
 
 $(STAMP): pyproject.toml Makefile
+	@# a worktree whose .venv links to another checkout's env: installing here would point that
+	@# env's editable dcr at this checkout (for everyone using it); refuse unless asked
+	@if [ -L $(VENV) ] && [ -z "$(ALLOW_SHARED_VENV)" ]; then \
+	  echo "[setup] $(VENV) links to $$(readlink -f $(VENV)), shared with another checkout: not installing into it (run make setup there, or ALLOW_SHARED_VENV=1)" >&2; \
+	  exit 1; \
+	fi
 	@echo "[setup] python: $$($(PY) --version)"
 	@test -x $(VPY) || { echo "[setup] creating $(VENV)"; $(PY) -m venv $(VENV); }
 	@$(PIP) install -q --upgrade pip
