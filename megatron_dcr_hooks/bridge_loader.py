@@ -1,8 +1,9 @@
 """Import megatron-bridge's conversion modules without running the package ``__init__`` files.
 
-megatron-bridge 0.3.1 cannot be imported as a package on these machines (``import
-megatron.bridge`` fails on an unguarded ``transformer_engine`` import in its peft package, and its
-declared dependencies are CUDA-only, so it is installed with ``--no-deps``). Its conversion layer
+megatron-bridge (0.3.1 on Python 3.11, 0.6.2 on Python 3.12) cannot be imported as a package on
+these machines (``import megatron.bridge`` fails on an unguarded ``transformer_engine`` import in
+its peft package, and its declared dependencies are CUDA-only, so it is installed with
+``--no-deps``). Its conversion layer
 works on CPU: ``param_mapping`` (mapping classes), ``mapping_registry`` (name resolution) and
 ``utils``. This loader registers the parent packages as empty namespace modules pointing at the
 installed directories, so submodules import without their ``__init__`` files, and applies two
@@ -19,7 +20,9 @@ Model registries: `megatron_dcr_hooks.bridge_registry` resolves the bridge class
 mapping registry) from the HF config's architectures, the way megatron-bridge's AutoBridge does.
 
 Limitations:
-1. Checked on megatron-bridge 0.3.1; other versions raise CompatibilityError.
+1. Checked on megatron-bridge 0.3.1 and 0.6.2; other versions raise CompatibilityError. Both fixes
+   are still needed on 0.6.2 (its ``scatter_to_tp_ranks`` and ``gather_from_ep_ranks`` are
+   unchanged in these respects).
 2. The package ``__init__`` files never run (namespace stand-ins, see ``_register_namespace``).
 """
 
@@ -36,7 +39,8 @@ from typing import Any
 
 from shared_codec.errors import CompatibilityError
 
-CHECKED_BRIDGE = "0.3.1"
+#: megatron-bridge versions this loader was checked on (0.3.1: Python 3.11, 0.6.2: Python 3.12)
+CHECKED_BRIDGE: tuple[str, ...] = ("0.3.1", "0.6.2")
 
 _NAMESPACES = (
     "megatron.bridge",
@@ -56,8 +60,8 @@ def _bridge_root() -> Path:
         if (root / "models" / "conversion" / "param_mapping.py").is_file():
             return root
     raise CompatibilityError(
-        "megatron-bridge is not installed; run `make setup` (it installs megatron-bridge==0.3.1 "
-        "with --no-deps)"
+        "megatron-bridge is not installed; run `make setup` (it installs megatron-bridge with "
+        "--no-deps: 0.3.1 in .venv, 0.6.2 in .venv-trainer)"
     )
 
 
@@ -83,12 +87,12 @@ def check_version() -> str:
         version = importlib.metadata.version("megatron-bridge")
     except importlib.metadata.PackageNotFoundError as e:
         raise CompatibilityError(
-            "megatron-bridge is not installed; run `make setup` (megatron-bridge==0.3.1 --no-deps)"
+            "megatron-bridge is not installed; run `make setup` (megatron-bridge --no-deps)"
         ) from e
-    if version != CHECKED_BRIDGE:
+    if version not in CHECKED_BRIDGE:
         raise CompatibilityError(
-            f"megatron_dcr_hooks.bridge_loader was checked on megatron-bridge {CHECKED_BRIDGE}, "
-            f"found {version}"
+            f"megatron_dcr_hooks.bridge_loader was checked on megatron-bridge "
+            f"{' and '.join(CHECKED_BRIDGE)}, found {version}"
         )
     return version
 
@@ -148,3 +152,20 @@ def _apply_fixes(pm: Any) -> None:
     base.scatter_to_tp_ranks = scatter_to_tp_ranks
     base.gather_from_ep_ranks = gather_from_ep_ranks
     base.__dcr_fixed__ = True
+
+
+def import_bridge_module(name: str) -> types.ModuleType:
+    """Import one module of the installed megatron-bridge (e.g.
+    ``megatron.bridge.training.callbacks``) with its parent packages registered as namespace
+    stand-ins, so no package ``__init__`` runs. Version-checked like `load_conversion`; the
+    module's own imports must be installed (callbacks needs nothing beyond the standard
+    library)."""
+    if not name.startswith("megatron.bridge."):
+        raise ValueError(f"{name!r} is not a megatron-bridge module")
+    load_conversion()
+    root = _bridge_root()
+    parts = name.split(".")[2:-1]  # packages below megatron.bridge
+    for i in range(1, len(parts) + 1):
+        pkg = root.joinpath(*parts[:i])
+        _register_namespace("megatron.bridge." + ".".join(parts[:i]), pkg)
+    return importlib.import_module(name)

@@ -62,10 +62,27 @@ class BridgeRegistration:
     provider: str | None = None  # provider class name when the bridge names one
     model_type: str | None = None
 
-    def mapping_registry(self) -> Any:
-        """The bridge's own ``MegatronMappingRegistry``."""
+    def mapping_registry(self, hf_config: Mapping[str, Any] | None = None) -> Any:
+        """The bridge's own ``MegatronMappingRegistry``. Some megatron-bridge 0.6 bridges
+        (DeepSeek, GLM-4.5/5, Nemotron-H, ...) build it from the HF config, which AutoBridge
+        sets on the bridge first: `hf_config` is set the same way when given; without it such
+        a bridge raises `CompatibilityError` naming it."""
         cls: Any = self.bridge_class
-        return cls.mapping_registry(cls.__new__(cls))
+        bridge = cls.__new__(cls)
+        if hf_config is not None:
+            view = _ConfigView(hf_config)
+            bridge.hf_config = view
+            bridge.hf_pretrained = types.SimpleNamespace(config=view)
+        try:
+            return cls.mapping_registry(bridge)
+        except AttributeError as e:
+            if hf_config is None and getattr(e, "name", None) in ("hf_config", "hf_pretrained"):
+                raise CompatibilityError(
+                    f"{self.module}.{cls.__name__} builds its mapping registry from the HF "
+                    f"config ({e.name}); DCR resolves it from the architecture name only, so "
+                    f"{self.architecture} is not supported by the owner hook yet"
+                ) from e
+            raise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +156,13 @@ def _bridge_base_tables(root: Path) -> tuple[list[tuple[str, str]], dict[str, An
 
     path = root / "models" / "conversion" / "model_bridge.py"
     config_mapping = ast.literal_eval(_literal(path, "MegatronModelBridge", "CONFIG_MAPPING"))
+    shared = root / "utils" / "activation_map.py"
+    if shared.is_file():
+        # megatron-bridge >= 0.4: the table moved out of the class into a module of its own
+        # that imports only torch and megatron-core (our namespace stand-ins skip the
+        # ``megatron.bridge.utils`` package __init__)
+        mod = importlib.import_module("megatron.bridge.utils.activation_map")
+        return [tuple(x) for x in config_mapping], dict(mod.ACTIVATION_FUNC_MAP)
     node = _literal(path, "MegatronModelBridge", "ACTIVATION_MAPPING")
     scope = {
         "F": torch.nn.functional,
@@ -291,6 +315,22 @@ class _StubBridgeBase:
         return record
 
 
+def _register_implementation(*, source: Any, target: Any, bridge_class: Any) -> None:
+    """Stand-in for megatron-bridge >= 0.6's module-level ``register_bridge_implementation``
+    (an extra architecture name for an already decorated bridge class, e.g. an upstream
+    spelling): recorded like a ``register_bridge`` call, without a ``model_type``."""
+    pc = getattr(bridge_class, "PROVIDER_CLASS", None)
+    _Recorder.registrations.append(
+        {
+            "architecture": _source_of(source),
+            "bridge_class": bridge_class,
+            "target": _source_of(target),
+            "provider": None if pc is None else _source_of(pc),
+            "model_type": None,
+        }
+    )
+
+
 def _module_names(root: Path) -> list[tuple[str, Path]]:
     out = []
     for f in sorted((root / "models").rglob("*_bridge.py")):
@@ -302,21 +342,37 @@ def _module_names(root: Path) -> list[tuple[str, Path]]:
 
 
 def _declared_sources(path: Path) -> list[str]:
-    """``source=`` arguments of ``register_bridge(...)`` calls in a module's source (read only
-    to name the architectures of a module that cannot be imported)."""
+    """``source=`` arguments of ``register_bridge(...)`` / ``register_bridge_implementation(...)``
+    calls in a module's source (read only to name the architectures of a module that cannot be
+    imported). A name bound to a string at module level (megatron-bridge 0.6 writes
+    ``source=_QWEN3_5_MOE_HF_CLASS_NAME``) is resolved to that string."""
+    tree = ast.parse(path.read_text())
+    constants = {
+        t.id: node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
             and node.func.attr == "register_bridge"
+        ) or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "register_bridge_implementation"
         ):
             for kw in node.keywords:
                 if kw.arg == "source":
                     if isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
                         names.append(kw.value.value)
                     elif isinstance(kw.value, ast.Name):
-                        names.append(kw.value.id)
+                        names.append(constants.get(kw.value.id, kw.value.id))
     return names
 
 
@@ -392,6 +448,7 @@ def _import_bridges(modules: list[str]) -> None:
     stub = types.ModuleType(_MODEL_BRIDGE)
     stub.MegatronModelBridge = _StubBridgeBase  # type: ignore[attr-defined]
     stub.WeightConversionTask = type("WeightConversionTask", (), {})  # type: ignore[attr-defined]
+    stub.register_bridge_implementation = _register_implementation  # type: ignore[attr-defined]
     placeholders = _placeholder_modules()
     swapped = {name: sys.modules.get(name) for name in (_MODEL_BRIDGE, *placeholders)}
     sys.modules[_MODEL_BRIDGE] = stub
@@ -477,8 +534,11 @@ def resolve(key: str | Mapping[str, Any]) -> BridgeRegistration:
 
 
 def mapping_registry_for(key: str | Mapping[str, Any]) -> Any:
-    """megatron-bridge's own ``MegatronMappingRegistry`` for `key` (see `resolve`)."""
+    """megatron-bridge's own ``MegatronMappingRegistry`` for `key` (see `resolve`); an HF
+    config dict is also handed to the bridge (`BridgeRegistration.mapping_registry`)."""
     reg = resolve(key)
+    if isinstance(key, Mapping):
+        return reg.mapping_registry(key)
     cache_key = f"registry:{reg.architecture}"
     if cache_key not in _cache:
         _cache[cache_key] = reg.mapping_registry()

@@ -1,4 +1,4 @@
-"""CPU layer for megatron-core trainer processes (megatron-core 0.16.1, torch 2.13 CPU).
+"""CPU layer for megatron-core trainer processes (megatron-core 0.16.1 and 0.19.2, torch 2.13 CPU).
 
 megatron-core assumes CUDA in ~200 call sites. This layer lets unmodified megatron-core code
 (parallel_state over gloo, GPTModel with the local spec, Megatron DDP, the Megatron optimizers,
@@ -21,7 +21,8 @@ MoE dispatchers) run on CPU, so the owner side is tested against real Megatron, 
 Limitations:
 1. Apply only in trainer processes, never in a vLLM process (it rewrites ``torch.cuda``);
    ``enable()`` refuses when vllm has been imported.
-2. Checked on megatron-core 0.16.1 only; other versions raise CompatibilityError.
+2. Checked on megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12) only; other versions
+   raise CompatibilityError. 0.19.2 needed nothing beyond what 0.16.1 needed (docs/cpu-compat.md).
 3. No Transformer Engine, no FP8, no CUDA graphs, no fused kernels: configs must turn fusions
    off (``bias_activation_fusion``, ``masked_softmax_fusion``, ``apply_rope_fusion``, ...).
 4. Always call ``finalize_model_grads`` before ``optimizer.step()`` (otherwise replicated
@@ -39,7 +40,8 @@ from torch.overrides import TorchFunctionMode
 
 from shared_codec.errors import CompatibilityError
 
-CHECKED_MEGATRON_CORE = "0.16.1"
+#: megatron-core versions this layer was checked on (the owner suite passes on each)
+CHECKED_MEGATRON_CORE: tuple[str, ...] = ("0.16.1", "0.19.2")
 
 _state: dict[str, Any] = {"enabled": False, "mode": None}
 
@@ -158,13 +160,16 @@ def _cpu_tensor_ctor(dtype: torch.dtype):
 
 def check_version() -> str:
     """Return the megatron-core version or raise CompatibilityError if it was not checked."""
-    from megatron.core import package_info
+    import importlib.metadata
 
-    version = package_info.__version__
-    if version != CHECKED_MEGATRON_CORE:
+    # the distribution's version: megatron-core >= 0.17's ``package_info.__version__`` appends
+    # the git hash of whatever repository contains site-packages (a venv inside a checkout)
+    version = importlib.metadata.version("megatron-core")
+    if version not in CHECKED_MEGATRON_CORE:
         raise CompatibilityError(
-            f"megatron_dcr_hooks.cpu_compat was checked on megatron-core {CHECKED_MEGATRON_CORE}, "
-            f"found {version}; re-check docs/cpu-compat.md before enabling it"
+            f"megatron_dcr_hooks.cpu_compat was checked on megatron-core "
+            f"{' and '.join(CHECKED_MEGATRON_CORE)}, found {version}; re-check "
+            "docs/cpu-compat.md before enabling it"
         )
     return version
 

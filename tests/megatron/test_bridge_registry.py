@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from megatron_dcr_hooks import bridge_loader, bridge_registry
+from shared_codec.errors import CompatibilityError
 
-#: what megatron-bridge 0.3.1 registers (bridge_loader.CHECKED_BRIDGE pins the version)
-EXPECTED = {
+#: what each checked megatron-bridge registers (bridge_loader.CHECKED_BRIDGE pins the versions):
+#: 0.3.1 in the rollout env (Python 3.11), 0.6.2 in the trainer env (Python 3.12, with einops)
+EXPECTED_031 = {
     "DeciLMForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM",
     "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM",
     "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration", "GptOssForCausalLM",
@@ -20,6 +22,47 @@ EXPECTED = {
     "Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+}  # fmt: skip
+EXPECTED_062 = {
+    "BailingMoeV2ForCausalLM", "DeciLMForCausalLM", "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "Ernie4_5_MoeForCausalLM",
+    "Ernie4_5_VLMoeForConditionalGeneration", "Exaone4ForCausalLM",
+    "Exaone4_5_ForConditionalGeneration", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM",
+    "FalconH1ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM", "Glm4vMoeForConditionalGeneration", "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM", "HYV3ForCausalLM", "KimiK25ForConditionalGeneration",
+    "KimiK2ForCausalLM", "LlamaForCausalLM", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiniMaxM2ForCausalLM", "MiniMaxM3SparseForConditionalGeneration",
+    "Mistral3ForConditionalGeneration", "MistralForCausalLM", "NemotronForCausalLM",
+    "NemotronHForCausalLM", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_VL_V2",
+    "OlmoeForCausalLM", "Qwen2AudioForConditionalGeneration", "Qwen2ForCausalLM",
+    "Qwen2_5OmniForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3ASRForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3OmniMoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration", "SarvamMLAForCausalLM", "SarvamMoEForCausalLM",
+    "Step3p5ForCausalLM", "Step3p7ForConditionalGeneration",
+}  # fmt: skip
+#: bridge modules that cannot import on CPU, by version (they need Transformer Engine)
+UNAVAILABLE = {
+    "0.3.1": set(),
+    "0.6.2": {
+        "megatron.bridge.models.gemma.gemma4_bridge",
+        "megatron.bridge.models.gemma_vl.gemma4_vl_bridge",
+    },
+}
+EXPECTED = {"0.3.1": EXPECTED_031, "0.6.2": EXPECTED_062}[bridge_loader.check_version()]
+#: bridges that build their mapping registry from the HF config (not resolvable by name alone)
+NEEDS_CONFIG = {
+    "0.3.1": set(),
+    "0.6.2": {
+        "BailingMoeV2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+        "DeepseekV4ForCausalLM", "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration",
+        "GlmMoeDsaForCausalLM", "HYV3ForCausalLM", "NemotronHForCausalLM", "Step3p5ForCausalLM",
+        "Step3p7ForConditionalGeneration",
+    },
 }  # fmt: skip
 
 
@@ -39,15 +82,26 @@ def test_every_registered_architecture_resolves() -> None:
     print(f"\n{len(found.registrations)} architectures registered by megatron-bridge:")
     for arch, reg in sorted(found.registrations.items()):
         print(f"  {arch:40s} {reg.module} ({reg.bridge_class.__name__})")
-    assert found.unavailable == {}, found.unavailable  # every bridge module imports on CPU
+    # every bridge module imports on CPU, except those that need Transformer Engine
+    assert set(found.unavailable) == UNAVAILABLE[bridge_loader.check_version()], found.unavailable
+    assert all("transformer_engine" in e for e in found.unavailable.values())
     assert set(found.registrations) == EXPECTED, set(found.registrations) ^ EXPECTED
-    # nothing a module's source registers is dropped
-    declared = {s for sources in found.declared.values() for s in sources}
+    # nothing an importable module's source registers is dropped
+    declared = {
+        s for m, sources in found.declared.items() if m not in found.unavailable for s in sources
+    }
     assert declared <= set(found.registrations) | {"Mistral3ForConditionalGeneration"}
+    needs_config = set()
     for arch, reg in found.registrations.items():
         assert bridge_registry.resolve(arch) is reg
-        registry = reg.mapping_registry()
+        try:
+            registry = reg.mapping_registry()
+        except CompatibilityError as e:  # built from the HF config (bridge 0.6): named
+            assert arch in str(e) and "from the HF config" in str(e)
+            needs_config.add(arch)
+            continue
         assert len(registry.mappings) > 0, arch
+    assert needs_config == NEEDS_CONFIG[bridge_loader.check_version()], needs_config
 
 
 def test_resolution_follows_autobridge() -> None:
@@ -66,7 +120,7 @@ def test_resolution_follows_autobridge() -> None:
 
 
 def test_unknown_architecture_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'.*registers 24"):
+    with pytest.raises(ValueError, match=f"'FrobnicatorForCausalLM'.*registers {len(EXPECTED)}"):
         bridge_registry.resolve("FrobnicatorForCausalLM")
     with pytest.raises(ValueError, match="'FrobnicatorForCausalLM'"):
         bridge_registry.mapping_registry_for(_cfg("FrobnicatorForCausalLM"))
@@ -125,7 +179,13 @@ def test_provider_settings_come_from_the_bridge() -> None:
     assert (llama.num_layers, llama.num_query_groups, llama.kv_channels) == (2, 2, 32)
     assert llama.params_dtype is torch.bfloat16
     moe = bridge_registry.provider_record(
-        _cfg("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+        _cfg(
+            "Qwen3MoeForCausalLM",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,  # bridge 0.6 reads it (every Qwen3-MoE config.json has it)
+        )
     )
     assert (moe.num_moe_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (8, 2, 64)
     # transformers 5 keeps rope_theta in rope_parameters: it must not fall back to a default
@@ -143,10 +203,72 @@ def test_provider_settings_come_from_the_bridge() -> None:
     from shared_codec.errors import CompatibilityError
 
     yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
-    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2)
+    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, sliding_window=128)
     with pytest.raises(CompatibilityError, match="YaRN"):
         provider_settings({**oss, "rope_scaling": yarn})
     with pytest.raises(CompatibilityError, match="YaRN"):
         provider_settings({**oss, "rope_parameters": {**yarn, "rope_theta": 150000.0}})
     with pytest.raises(ValueError, match="position embedding 'yarn'"):
         provider_settings(oss)  # the GPT-OSS bridge itself sets position_embedding_type="yarn"
+
+
+_TRAINER_PROBE = """
+import json
+from megatron_dcr_hooks import bridge_loader, bridge_registry, cpu_compat
+found = bridge_registry.discover()
+cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+       "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "hidden_act": "silu",
+       "torch_dtype": "bfloat16", "tie_word_embeddings": False, "max_position_embeddings": 512}
+rec = bridge_registry.provider_record(cfg)
+print(json.dumps({
+    "core": cpu_compat.check_version(), "bridge": bridge_loader.check_version(),
+    "registered": sorted(found.registrations), "unavailable": found.unavailable,
+    "registries": {a: type(bridge_registry.mapping_registry_for(a)).__name__ for a in
+                   ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM",
+                    "LlamaForCausalLM")},
+    "qwen3": {"rotary_base": rec.rotary_base, "qk_layernorm": rec.qk_layernorm,
+              "activation": rec.activation_func.__name__},
+}))
+"""
+
+
+@pytest.mark.megatron
+def test_the_trainer_env_resolves_the_verified_families() -> None:
+    """The same resolution in the trainer environment (`make setup`'s `.venv-trainer`: Python
+    3.12, megatron-core 0.19.2, megatron-bridge 0.6.2), in a process of its own: both version
+    checks pass, every verified family builds its registry, the provider settings are the
+    bridge's own (RoPE base read from transformers 5's ``rope_parameters``), and only the
+    bridge modules that need Transformer Engine are unavailable."""
+    import json
+    import subprocess
+    import sys
+
+    from dcr_tools.procs import REPO, base_env, trainer_python
+
+    python = trainer_python()
+    if python == sys.executable:
+        pytest.skip(
+            "trainer ranks run on this interpreter (no .venv-trainer, or DCR_TRAINER_PYTHON "
+            "names it): the in-process tests above cover it"
+        )
+    out = subprocess.run(
+        [python, "-W", "ignore", "-c", _TRAINER_PROBE],
+        cwd=REPO,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["core"] in ("0.16.1", "0.19.2") and r["bridge"] in bridge_loader.CHECKED_BRIDGE
+    if r["bridge"] == "0.6.2":
+        assert len(r["registered"]) == 55, r["registered"]
+        assert {"DeepseekV4ForCausalLM", "Qwen3_5MoeForCausalLM", "ExaoneMoEForCausalLM"} <= set(
+            r["registered"]
+        )
+        assert all("transformer_engine" in e for e in r["unavailable"].values()), r["unavailable"]
+    assert set(r["registries"].values()) == {"MegatronMappingRegistry"}
+    assert r["qwen3"] == {"rotary_base": 1e6, "qk_layernorm": True, "activation": "silu"}

@@ -13,6 +13,7 @@ applied to the fake canonical export of v0 give the export of v1.
 from __future__ import annotations
 
 import dataclasses
+import types
 from pathlib import Path
 from typing import Any
 
@@ -360,3 +361,55 @@ def test_owner_service_reduces_over_the_hooks_groups(
     assert not moved["ok"] and moved["error_type"] == "CandidateChanged", moved
     retry = svc.handle({"op": "build", "version": 2, "attempt": 1, "retry": True})
     assert retry["ok"]  # the stale record was dropped by the failed verify
+
+
+def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None:
+    """`DCRCallback` registered by megatron-bridge's own ``CallbackManager`` (the installed
+    bridge's ``normalize_callbacks``, what ``pretrain(callbacks=[...])`` does) with the events
+    fired as Bridge's ``train()`` fires them, around a FAKE model's updates: attached at
+    ``on_train_start``, a successful step builds the next version into the sink, a skipped one
+    builds and publishes nothing, the commit advances; the plain hook API needs an attach."""
+    from megatron_dcr_hooks.bridge_loader import import_bridge_module
+    from megatron_dcr_hooks.callback import DCRCallback
+
+    cb_mod = import_bridge_module("megatron.bridge.training.callbacks")
+    model = FakeModel()
+    # a DDP chunk that overlaps the param all-gather with the next forward: forced before builds
+    synced: list[bool] = []
+    model.ddp_config = types.SimpleNamespace(overlap_param_gather=True)  # type: ignore[attr-defined]
+    model.start_param_sync = lambda force_sync=False: synced.append(force_sync)  # type: ignore[attr-defined]
+    sent: list[bytes] = []
+    dcr = DCRCallback(_config(wrap_step=True, sink=sent.append), groups=groups)
+    assert dcr.config.wrap_step is False  # the events are the step hook
+    manager = cb_mod.normalize_callbacks([dcr])
+    assert {"on_train_start", "on_train_step_start", "on_train_step_end"} <= {
+        e for e in manager.events if manager.has_callbacks(e)
+    }
+
+    def fire(event: str, **fields: Any) -> None:
+        ctx = cb_mod.CallbackContext(state=None, model=[model], user_state=manager.user_state)
+        for k, v in fields.items():
+            setattr(ctx, k, v)
+        manager.fire(event, ctx)
+
+    with pytest.raises(ProtocolError, match="before the first optimizer step"):
+        fire("on_train_step_end", skipped_iter=False)
+    v0 = model.export()
+    fire("on_train_start")
+    assert dcr.hook is not None and dcr.hook.groups is groups
+    fire("on_train_step_start")
+    model.perturb(5)  # the optimizer's update
+    fire("on_train_step_end", skipped_iter=False)
+    assert dcr.built == [1] and sent
+    v1 = model.export()
+    assert apply_items(v0, _items(sent)) > 0
+    assert all(bits_equal(v0[n], v1[n]) for n in v1)  # the payloads take v0 to v1 exactly
+    dcr.hook.commit()
+    sent.clear()
+    fire("on_train_step_start")
+    fire("on_train_step_end", skipped_iter=True)  # refused update: weights unchanged
+    assert sent == [] and dcr.skipped_steps == 1 and dcr.built == [1]
+    assert synced == [True]  # once, for the successful step
+    model.perturb(6)
+    assert dcr.after_optimizer_step(skipped=False) is not None  # the plain hook: same object
+    assert dcr.built == [1, 2] and dcr.steps == 2 and sent
