@@ -183,12 +183,15 @@ def encode_payload(
     table = bytearray()
     parts: list[bytes] = []
     for item in items:
-        item.validate()
+        item.validate(order=False)  # the location coder checks the order on its differences
         if item.owner != meta.owner:
             raise ValueError(f"item {item.name}: owner {item.owner} != payload owner {meta.owner}")
         d = item.dtype_info
         name = item.name.encode()
-        loc_code, loc, val_code, val = encode_section_parts(item, paper=paper)
+        try:
+            loc_code, loc, val_code, val = encode_section_parts(item, paper=paper)
+        except ValueError as e:
+            raise ValueError(f"item {item.name}: {e}") from None
         loc_len, val_len = sum(len(p) for p in loc), sum(len(p) for p in val)
         table += struct.pack("<H", len(name)) + name
         table += struct.pack("<BBB", d.code, int(item.kind), len(item.shape))

@@ -142,11 +142,14 @@ def encode_locations(indices: np.ndarray, *, paper: bool = False) -> tuple[int, 
 
 
 def encode_location_parts(indices: np.ndarray, *, paper: bool = False) -> tuple[int, list[bytes]]:
-    """`encode_locations` with the section as its parts (head, then each byte plane)."""
+    """`encode_locations` with the section as its parts (head, then each byte plane).
+    ValueError when `indices` are not strictly increasing."""
     n = int(indices.shape[0])
     if n == 0:
         return RANGES, [bytes([1, 1]) + (0).to_bytes(8, "little")]
     diffs = np.diff(indices)
+    if n > 1 and int(diffs.min()) <= 0:
+        raise ValueError("indices not strictly increasing")
     if paper:
         first = int(indices[0])
         if first < 1 << 32 and (n == 1 or int(diffs.max()) < 1 << 32):

@@ -139,3 +139,14 @@ def test_payload_with_split_gaps_and_plane_blocks_round_trips() -> None:
     assert peek_header(data).items[0].loc_encoding == locations.SPLIT_GAPS
     assert decode_payload(data).items[0].same_as(item)
     assert encode_payload([item], META) == data  # deterministic: same content, same id
+
+
+def test_encoder_rejects_unordered_indices() -> None:
+    """The encoder checks the order on the differences it codes (DeltaItem.validate(order=False))."""
+    from dataclasses import replace
+
+    item = make_item("w", "bfloat16", (10,), 0, Kind.XOR, np.array([1, 4]), np.ones(2, np.uint16))
+    for bad in ([4, 1], [3, 3]):
+        unordered = replace(item, indices=np.array(bad, dtype=np.int64))
+        with pytest.raises(ValueError, match="item w: indices not strictly increasing"):
+            encode_payload([unordered], META)
