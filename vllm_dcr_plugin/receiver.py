@@ -219,8 +219,9 @@ class Receiver:
         `ProtocolError`, nothing applied), and a later `apply` of the attempt is held to it.
 
         Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
-        and each is applied as soon as it is staged, so payload l is applied while l + 1 is
-        still built or in flight; the result then carries the attempt's merged ACK under
+        and applied as soon as they are staged and no further payload is already waiting (what
+        has arrived is applied together), so payload l is applied while l + 1 is still built or
+        in flight; the result then carries the attempt's merged ACK under
         ``"ack"`` (as `apply` returns it) and the receiver is ``applied`` (``dirty`` after a
         failure). A fetch error after part of the attempt was applied leaves it ``dirty``, as
         does a final set that is not the sealed set (checked before the closing apply)."""
@@ -236,6 +237,7 @@ class Receiver:
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
         acks: list[Ack] = []
         verify = bool((apply or {}).get("verify", False))
+        arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)
 
         def part(final: bool) -> None:  # the tail of a pipelined fetch is never killed
             left = armed.remaining(sum(a.items for a in acks), kill=not final)
@@ -253,7 +255,8 @@ class Receiver:
                 out["bytes"] += len(payload)
                 out["staged"] += len(res["staged"])
                 out["duplicates"] += len(res["duplicates"])
-                if pipelined and res["staged"]:
+                # batch what has arrived: apply once nothing more is waiting
+                if pipelined and res["staged"] and not arrived():
                     part(final=False)
                     if not acks[-1].ok:
                         break
