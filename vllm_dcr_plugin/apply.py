@@ -498,7 +498,7 @@ def apply_staged(
         t0 = time.perf_counter()
         payload = sp.decoded or decode_payload(sp.data, key=staging.key, max_body=staging.max_body)
         tally.decode_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         items = [it for it in payload.items if it.name not in skipped]
         tally.skipped_items += len(payload.items) - len(items)
         if plan is not None:
@@ -549,6 +549,7 @@ def apply_staged(
         if before is not None and param_snapshot(model) != before:
             raise LoaderConditionError("the loader rebound parameters during apply")
         tally.apply_s += time.perf_counter() - t0
+        tally.apply_cpu_s += time.thread_time() - c0
         tally.payloads += 1
         tally.compressed_bytes += len(sp.data)
         staging.mark_applied(tally.attempt, sp.header.payload_id)
