@@ -200,8 +200,12 @@ def encode_payload(
         parts += loc
         parts += val
     raw_len = sum(len(p) for p in parts)
-    # each byte plane its own zstd block (compression.compress_parts)
-    body = compression.compress_parts(parts) if compress else b"".join(parts)
+    if not compress:
+        body = b"".join(parts)
+    elif paper:  # the paper's streams, compressed as the paper does: one plain frame
+        body = compression.compress(b"".join(parts))
+    else:  # each byte plane its own zstd block (compression.compress_parts)
+        body = compression.compress_parts(parts)
     flags = (FLAG_KEYED if key else 0) | (FLAG_ZSTD if compress else 0)
     head = HEAD.pack(
         meta.version,
