@@ -311,6 +311,9 @@ def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> N
     # closing part when the stream had ended too), then the closing part
     assert ack["payloads"] == 3 and ack["pipelined_parts"] in (2, 3, 4), ack
     assert ack["target_version"] == 1
+    # the parts' CPU time is summed like their wall time, and is at most it (no waits inside)
+    timings = ack["timings"]
+    assert 0 < timings["apply_cpu_s"] <= timings["apply_s"] * 1.05 + 1e-3, timings
     assert rx.state == "applied"
     _assert_holds(model, v1)
     rx.commit(1)
