@@ -32,7 +32,7 @@ from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
 from vllm_dcr_plugin import faults
 from vllm_dcr_plugin.ack import Ack, Tally
-from vllm_dcr_plugin.apply import apply_staged
+from vllm_dcr_plugin.apply import PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
 from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan, current_tensors
@@ -239,9 +239,11 @@ class Receiver:
         verify = bool((apply or {}).get("verify", False))
         arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)
 
+        checks = PlanChecks()  # each planned parameter resolved and checked once per fetch
+
         def part(final: bool) -> None:  # the tail of a pipelined fetch is never killed
             left = armed.remaining(sum(a.items for a in acks), kill=not final)
-            acks.append(self._metered(attempt, verify, left, final=final))
+            acks.append(self._metered(attempt, verify, left, final=final, checks=checks))
 
         try:
             for payload in payloads:
@@ -300,9 +302,10 @@ class Receiver:
         armed: faults.Faults,
         final: bool,
         expect: SealedSet | None = None,
+        checks: PlanChecks | None = None,
     ) -> Ack:
         t0 = time.perf_counter()
-        ack = self._apply(attempt, verify, armed, final, expect)
+        ack = self._apply(attempt, verify, armed, final, expect, checks)
         self.metrics.applied(ack.to_dict(), time.perf_counter() - t0)
         self.last_ack = ack
         return ack
@@ -314,10 +317,12 @@ class Receiver:
         armed: faults.Faults,
         final: bool,
         expect: SealedSet | None = None,
+        checks: PlanChecks | None = None,
     ) -> Ack:
         """See `apply`. ``final=False`` (pipelined fetch): more payloads of the attempt may
         follow; the receiver is then ``applying`` instead of ``applied`` (a recorded seal then
-        refuses only payloads beyond it)."""
+        refuses only payloads beyond it). `checks`: the plan state of the fetch's earlier parts
+        (apply.PlanChecks), None for a fresh one."""
         scratch = self._require_prewarm()
         gate = self.gate()
         if gate:
@@ -360,6 +365,7 @@ class Receiver:
                 verify=verify,
                 counter=faults.ItemFaults(armed),
                 plan=self.plan if self.placement == "plan" else None,
+                checks=checks,
             )
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
             self.metrics.placed(tally)
