@@ -1,7 +1,11 @@
 """zstd compression of payload bodies, with hard bounds on decompressed size.
 
 Bodies are compressed with zstd level 1 (the paper's setting) as one frame that records its
-content size. Decompression first checks the frame's declared content size against the size the
+content size. `compress_parts` ends a zstd block at the boundaries of the body's larger parts
+(byte planes of >= `BLOCK_MIN` bytes), so each plane gets its own literal (Huffman) table instead
+of one table over a 128 KiB block that mixes near-uniform low planes with mostly-zero high
+planes: at a 1% change that mix costs ~11% of the payload (``dcr bench codec``). Block
+boundaries are the encoder's choice: the frame is an ordinary zstd frame, decoded as before. Decompression first checks the frame's declared content size against the size the
 payload header declares and against a global cap, so a crafted payload cannot make a receiver
 allocate more than it agreed to (no decompression bombs).
 """
@@ -34,6 +38,34 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def compress(data: bytes | memoryview) -> bytes:
     """zstd level-1 frame of `data` (thread-safe; the GIL is released while compressing)."""
     return _compressor().compress(data)
+
+
+#: Parts of at least this many bytes are compressed as zstd blocks of their own.
+BLOCK_MIN = 1024
+
+
+def compress_parts(parts: list[bytes]) -> bytes:
+    """One zstd level-1 frame of ``b"".join(parts)`` that ends a block before and after every
+    part of at least `BLOCK_MIN` bytes (smaller neighbours share blocks). A body without such a
+    part is compressed as `compress` does, byte for byte (small payloads, golden files)."""
+    if not any(len(p) >= BLOCK_MIN for p in parts):
+        return compress(b"".join(parts))
+    total = sum(len(p) for p in parts)
+    cobj = _compressor().compressobj(size=total)
+    out: list[bytes] = []
+    pending = 0  # bytes in the open block
+    for part in parts:
+        big = len(part) >= BLOCK_MIN
+        if big and pending:
+            out.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            pending = 0
+        out.append(cobj.compress(part))
+        pending += len(part)
+        if big:
+            out.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            pending = 0
+    out.append(cobj.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+    return b"".join(out)
 
 
 def decompress_exact(frame: bytes | memoryview, expected: int, cap: int) -> bytes:

@@ -65,8 +65,9 @@ MAX_KEY_SIZE = 64
 
 def loc_bound(count: int) -> int:
     """Most bytes a location section of `count` entries may take (format v1): the ranges head
-    plus two 8-byte words per entry. Every encoding DCR writes fits (gaps 9 + 8(count-1), plain
-    gaps 4 count, ranges 10 + 16 runs, bitmap only when smaller than gaps)."""
+    plus two 8-byte words per entry. Every encoding DCR writes fits (gaps 9 + 8(count-1), split
+    gaps 10 + 9(count-1), plain gaps 4 count, ranges 10 + 16 runs, bitmap only when smaller
+    than gaps)."""
     return 18 + 16 * count
 
 
@@ -157,8 +158,16 @@ def _digest(data: memoryview | bytes | bytearray, key: bytes | None) -> bytes:
 
 def encode_sections(item: DeltaItem, *, paper: bool = False) -> tuple[int, bytes, int, bytes]:
     """(loc code, loc bytes, value code, value bytes) of one item."""
-    loc_code, loc = locations.encode_locations(item.indices, paper=paper)
-    val_code, val = values.encode_values(item.values, item.dtype_info.itemsize, paper=paper)
+    loc_code, loc, val_code, val = encode_section_parts(item, paper=paper)
+    return loc_code, b"".join(loc), val_code, b"".join(val)
+
+
+def encode_section_parts(
+    item: DeltaItem, *, paper: bool = False
+) -> tuple[int, list[bytes], int, list[bytes]]:
+    """`encode_sections` with each section as its parts (heads and byte planes)."""
+    loc_code, loc = locations.encode_location_parts(item.indices, paper=paper)
+    val_code, val = values.encode_value_parts(item.values, item.dtype_info.itemsize, paper=paper)
     return loc_code, loc, val_code, val
 
 
@@ -172,21 +181,31 @@ def encode_payload(
 ) -> bytes:
     """Encode `items` into one v1 payload. Items are validated first (ValueError)."""
     table = bytearray()
-    sections: list[bytes] = []
+    parts: list[bytes] = []
     for item in items:
-        item.validate()
+        item.validate(order=False)  # the location coder checks the order on its differences
         if item.owner != meta.owner:
             raise ValueError(f"item {item.name}: owner {item.owner} != payload owner {meta.owner}")
         d = item.dtype_info
         name = item.name.encode()
-        loc_code, loc, val_code, val = encode_sections(item, paper=paper)
+        try:
+            loc_code, loc, val_code, val = encode_section_parts(item, paper=paper)
+        except ValueError as e:
+            raise ValueError(f"item {item.name}: {e}") from None
+        loc_len, val_len = sum(len(p) for p in loc), sum(len(p) for p in val)
         table += struct.pack("<H", len(name)) + name
         table += struct.pack("<BBB", d.code, int(item.kind), len(item.shape))
         table += struct.pack(f"<{len(item.shape)}Q", *item.shape)
-        table += struct.pack("<QBQBQ", item.count, loc_code, len(loc), val_code, len(val))
-        sections += (loc, val)
-    raw = b"".join(sections)
-    body = compression.compress(raw) if compress else raw
+        table += struct.pack("<QBQBQ", item.count, loc_code, loc_len, val_code, val_len)
+        parts += loc
+        parts += val
+    raw_len = sum(len(p) for p in parts)
+    if not compress:
+        body = b"".join(parts)
+    elif paper:  # the paper's streams, compressed as the paper does: one plain frame
+        body = compression.compress(b"".join(parts))
+    else:  # each byte plane its own zstd block (compression.compress_parts)
+        body = compression.compress_parts(parts)
     flags = (FLAG_KEYED if key else 0) | (FLAG_ZSTD if compress else 0)
     head = HEAD.pack(
         meta.version,
@@ -196,7 +215,7 @@ def encode_payload(
         meta.owner,
         meta.sequence,
         b"\x00" * ID_SIZE,
-        len(raw),
+        raw_len,
         len(body),
         len(items),
     )
@@ -298,9 +317,10 @@ def peek_header(
         if not hmac.compare_digest(want, bytes(buf[body_end:])):
             what = "wrong key or corrupted" if keyed else "corrupted or truncated"
             raise PayloadError(f"payload {label}: field digest: mismatch ({what})")
-        zeroed = bytearray(buf[:body_end])
-        zeroed[ID_OFFSET : ID_OFFSET + ID_SIZE] = b"\x00" * ID_SIZE
-        if hashlib.blake2b(zeroed, digest_size=ID_SIZE).digest() != pid:
+        h = hashlib.blake2b(buf[:ID_OFFSET], digest_size=ID_SIZE)  # the id field reads as zero
+        h.update(b"\x00" * ID_SIZE)
+        h.update(buf[ID_OFFSET + ID_SIZE : body_end])
+        if h.digest() != pid:
             raise PayloadError(f"payload {label}: field payload_id: not the content hash")
     r = _Reader(buf[PREFIX.size : PREFIX.size + header_len], label)
     (ver, base, attempt, baseline, owner, seq, _pid, raw_len, stored_len, n_items) = r.take(

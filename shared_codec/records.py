@@ -64,8 +64,10 @@ class DeltaItem:
         """Raw record bytes: an int64 index plus the stored value per entry (benchmarks' unit)."""
         return self.count * (8 + self.dtype_info.itemsize)
 
-    def validate(self) -> DeltaItem:
-        """Raise ValueError unless the item is internally consistent; return self."""
+    def validate(self, *, order: bool = True) -> DeltaItem:
+        """Raise ValueError unless the item is internally consistent; return self. `order=False`
+        skips the strictly-increasing check (for a caller that checks it on differences it
+        computes anyway: the payload encoder)."""
         d = self.dtype_info
         if not self.name or len(self.name.encode()) > 65535:
             raise ValueError(f"item name {self.name!r}: empty or longer than 65535 bytes")
@@ -80,7 +82,7 @@ class DeltaItem:
         if self.count:
             if int(self.indices[0]) < 0 or int(self.indices[-1]) >= self.numel:
                 raise ValueError(f"item {self.name}: index out of range for shape {self.shape}")
-            if self.count > 1 and not bool(np.all(np.diff(self.indices) > 0)):
+            if order and self.count > 1 and not bool(np.all(np.diff(self.indices) > 0)):
                 raise ValueError(f"item {self.name}: indices not strictly increasing")
         return self
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared_codec.locations import from_planes, to_planes
+from shared_codec.locations import from_planes, plane_parts
 
 PLAIN = 0
 PLANES = 1
@@ -25,9 +25,19 @@ NAMES = {PLAIN: "plain", PLANES: "planes"}
 
 def encode_values(values: np.ndarray, itemsize: int, *, paper: bool = False) -> tuple[int, bytes]:
     """Encode an unsigned `values` array of `itemsize`-byte words; returns (code, bytes)."""
+    code, parts = encode_value_parts(values, itemsize, paper=paper)
+    return code, b"".join(parts)
+
+
+def encode_value_parts(
+    values: np.ndarray, itemsize: int, *, paper: bool = False
+) -> tuple[int, list[bytes]]:
+    """`encode_values` with the section as its parts (one per byte plane; the whole stream in
+    paper mode), which the payload encoder compresses as separate zstd blocks."""
     if paper:
-        return PLAIN, np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<")).tobytes()
-    return PLANES, to_planes(values, itemsize)
+        le = values.dtype.newbyteorder("<")
+        return PLAIN, [np.ascontiguousarray(values).astype(le).tobytes()]
+    return PLANES, plane_parts(values, itemsize)
 
 
 def decode_values(

@@ -8,6 +8,10 @@ docs/protocol.md lists it; `Ack.merge` folds the ACKs of one attempt applied in 
 Limitations:
 1. ``timings.total_s`` is present only when the apply ran to its end (also when the post-apply
    check then failed it); a merged ACK always has it (the parts' sum).
+2. ``timings.apply_cpu_s`` is the applying thread's CPU time over the spans of ``apply_s``: the
+   apply's work without the waits for a core that ``apply_s`` includes when other processes
+   (a pipelined build on the same machine) compete for the CPUs. Work in other threads (torch
+   intra-op pools) is not in it.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Ack:
     verified: bool = False
     decode_s: float = 0.0
     apply_s: float = 0.0
+    apply_cpu_s: float = 0.0
     total_s: float | None = None
     error: str | None = None
     partial_item: str | None = None
@@ -64,7 +69,11 @@ class Ack:
 
     def to_dict(self) -> dict[str, Any]:
         """The plain reply (key order and keys as the protocol has always sent them)."""
-        timings = {"decode_s": self.decode_s, "apply_s": self.apply_s}
+        timings = {
+            "decode_s": self.decode_s,
+            "apply_s": self.apply_s,
+            "apply_cpu_s": self.apply_cpu_s,
+        }
         if self.total_s is not None:
             timings["total_s"] = self.total_s
         out: dict[str, Any] = {
@@ -113,6 +122,7 @@ class Ack:
             verified=last.verified,
             decode_s=sum(a.decode_s for a in acks),
             apply_s=sum(a.apply_s for a in acks),
+            apply_cpu_s=sum(a.apply_cpu_s for a in acks),
             total_s=sum(a.total_s or 0.0 for a in acks),
             error=bad.error if bad is not None else last.error,
             partial_item=bad.partial_item if bad is not None else last.partial_item,
@@ -141,6 +151,7 @@ class Tally:
     mismatches: int = 0
     decode_s: float = 0.0
     apply_s: float = 0.0
+    apply_cpu_s: float = 0.0
     total_s: float | None = None
     partial_item: str | None = None
     touched: bool = False  # a batch reached the loader: weights may have changed
@@ -157,6 +168,7 @@ class Tally:
             verified=self.verify,
             decode_s=self.decode_s,
             apply_s=self.apply_s,
+            apply_cpu_s=self.apply_cpu_s,
             total_s=self.total_s,
             error=error,
             partial_item=self.partial_item,

@@ -418,6 +418,20 @@ def check_loader_report(names: str, reported: set[str], results: list[ItemResult
         )
 
 
+@dataclass
+class PlanChecks:
+    """What the applies of one attempt have resolved about the placement plan: the planned
+    parameters looked up so far (`current`), those found stale, and the integer views over their
+    storages (`words`). `apply_staged` fills it; the receiver keeps one across the parts of one
+    pipelined fetch, so each parameter is resolved and checked once per fetch instead of once per
+    part (nothing else runs on the worker between the parts of a fetch, and a loader batch that
+    rebinds a parameter fails the attempt), and a fresh one for every other apply."""
+
+    current: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    stale: dict[str, str] = field(default_factory=dict)
+    words: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+
 def runs(
     items: list[DeltaItem], replayable: Callable[[str], bool]
 ) -> list[tuple[bool, list[DeltaItem]]]:
@@ -444,6 +458,7 @@ def apply_staged(
     verify: bool,
     counter: ItemFaults,
     plan: PlacementPlan | None = None,
+    checks: PlanChecks | None = None,
 ) -> None:
     """Apply `staged` payloads in order, counting into `tally` and marking each payload
     applied in `staging` once complete. Items `plan` holds (placement.py) are replayed through
@@ -459,12 +474,13 @@ def apply_staged(
     order, so items pulled before the failing one are complete and the last one pulled may be
     partial (``tally.partial_item``), except after an `InjectedFailure`, raised before the next
     item is pulled. `counter` is the per-item hook of both paths (it counts pulled items and
-    fires the test-only item faults)."""
+    fires the test-only item faults). `checks` (PlanChecks) carries the plan's resolved and
+    checked parameters from earlier parts of the same attempt; None: a fresh one."""
     # model walks only when a loader batch runs; planned parameters are resolved by name
     storages: dict[int, str] | None = None
     before: dict[str, tuple[int, tuple[int, ...]]] | None = None
-    stale: dict[str, str] = {}
-    current: dict[str, torch.Tensor | None] = {}
+    checks = checks if checks is not None else PlanChecks()
+    stale, current = checks.stale, checks.current
 
     def check_plan(items: list[DeltaItem]) -> None:
         assert plan is not None
@@ -498,7 +514,7 @@ def apply_staged(
         t0 = time.perf_counter()
         payload = sp.decoded or decode_payload(sp.data, key=staging.key, max_body=staging.max_body)
         tally.decode_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         items = [it for it in payload.items if it.name not in skipped]
         tally.skipped_items += len(payload.items) - len(items)
         if plan is not None:
@@ -511,7 +527,7 @@ def apply_staged(
                 try:
                     if replay:
                         assert plan is not None
-                        results = replay_batch(plan, batch, current, verify, counter)
+                        results = replay_batch(plan, batch, current, verify, counter, checks.words)
                     else:
                         if storages is None or before is None:
                             storages, before = named_storages(model), param_snapshot(model)
@@ -549,6 +565,7 @@ def apply_staged(
         if before is not None and param_snapshot(model) != before:
             raise LoaderConditionError("the loader rebound parameters during apply")
         tally.apply_s += time.perf_counter() - t0
+        tally.apply_cpu_s += time.thread_time() - c0
         tally.payloads += 1
         tally.compressed_bytes += len(sp.data)
         staging.mark_applied(tally.attempt, sp.header.payload_id)
@@ -562,14 +579,16 @@ def replay_batch(
     current: dict[str, torch.Tensor | None],
     verify: bool,
     before_item: Callable[[DeltaItem], None],
+    words: dict[tuple[str, int], torch.Tensor] | None = None,
 ) -> list[ItemResult]:
-    """Apply `batch` (planned items) through the plan's recorded copies (placement.py)."""
+    """Apply `batch` (planned items) through the plan's recorded copies (placement.py);
+    `words` keeps the parameters' storage views across batches (PlanChecks.words)."""
     checks: list[Check] = []
 
     def scatter(item: DeltaItem, src: ViewGeom, words: torch.Tensor, dest: ViewGeom) -> int:
         return scatter_direct(item, src, words, dest, checks, verify)
 
-    done = replay_items(plan, batch, current, scatter, before_item)
+    done = replay_items(plan, batch, current, scatter, before_item, words)
     results = []
     for item, (n, params) in zip(batch, done, strict=True):
         r = ItemResult(name=item.name, entries=item.count, path="plan")

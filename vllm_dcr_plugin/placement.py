@@ -212,12 +212,15 @@ def replay_items(
     current: dict[str, torch.Tensor | None],
     scatter: Callable[[DeltaItem, ViewGeom, torch.Tensor, ViewGeom], int],
     before_item: Callable[[DeltaItem], None] | None = None,
+    words: dict[tuple[str, int], torch.Tensor] | None = None,
 ) -> list[tuple[int, set[str]]]:
     """Apply `items` (all planned, plan not stale) through their recorded copies in order.
     `scatter(item, src, words, dest)` writes one copy's share (apply.scatter_direct) and returns
-    the elements written. Returns (elements written, destination parameters) per item."""
+    the elements written. `words`: integer views over parameter storages made by earlier calls
+    of the same attempt (filled here). Returns (elements written, destination parameters) per
+    item."""
     out = []
-    words: dict[tuple[str, int], torch.Tensor] = {}
+    words = words if words is not None else {}
     for item in items:
         if before_item is not None:
             before_item(item)

@@ -32,7 +32,7 @@ from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
 from vllm_dcr_plugin import derived, faults
 from vllm_dcr_plugin.ack import Ack, Tally
-from vllm_dcr_plugin.apply import apply_staged
+from vllm_dcr_plugin.apply import PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
 from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan, current_tensors
@@ -294,8 +294,9 @@ class Receiver:
         `ProtocolError`, nothing applied), and a later `apply` of the attempt is held to it.
 
         Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
-        and each is applied as soon as it is staged, so payload l is applied while l + 1 is
-        still built or in flight; the result then carries the attempt's merged ACK under
+        and applied as soon as they are staged and no further payload is already waiting (what
+        has arrived is applied together), so payload l is applied while l + 1 is still built or
+        in flight; the result then carries the attempt's merged ACK under
         ``"ack"`` (as `apply` returns it) and the receiver is ``applied`` (``dirty`` after a
         failure). A fetch error after part of the attempt was applied leaves it ``dirty``, as
         does a final set that is not the sealed set (checked before the closing apply)."""
@@ -311,10 +312,13 @@ class Receiver:
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
         acks: list[Ack] = []
         verify = bool((apply or {}).get("verify", False))
+        arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)
+
+        checks = PlanChecks()  # each planned parameter resolved and checked once per fetch
 
         def part(final: bool) -> None:  # the tail of a pipelined fetch is never killed
             left = armed.remaining(sum(a.items for a in acks), kill=not final)
-            acks.append(self._metered(attempt, verify, left, final=final))
+            acks.append(self._metered(attempt, verify, left, final=final, checks=checks))
 
         try:
             for payload in payloads:
@@ -328,7 +332,8 @@ class Receiver:
                 out["bytes"] += len(payload)
                 out["staged"] += len(res["staged"])
                 out["duplicates"] += len(res["duplicates"])
-                if pipelined and res["staged"]:
+                # batch what has arrived: apply once nothing more is waiting
+                if pipelined and res["staged"] and not arrived():
                     part(final=False)
                     if not acks[-1].ok:
                         break
@@ -372,9 +377,10 @@ class Receiver:
         armed: faults.Faults,
         final: bool,
         expect: SealedSet | None = None,
+        checks: PlanChecks | None = None,
     ) -> Ack:
         t0 = time.perf_counter()
-        ack = self._apply(attempt, verify, armed, final, expect)
+        ack = self._apply(attempt, verify, armed, final, expect, checks)
         self.metrics.applied(ack.to_dict(), time.perf_counter() - t0)
         self.last_ack = ack
         return ack
@@ -386,10 +392,12 @@ class Receiver:
         armed: faults.Faults,
         final: bool,
         expect: SealedSet | None = None,
+        checks: PlanChecks | None = None,
     ) -> Ack:
         """See `apply`. ``final=False`` (pipelined fetch): more payloads of the attempt may
         follow; the receiver is then ``applying`` instead of ``applied`` (a recorded seal then
-        refuses only payloads beyond it)."""
+        refuses only payloads beyond it). `checks`: the plan state of the fetch's earlier parts
+        (apply.PlanChecks), None for a fresh one."""
         scratch = self._require_prewarm()
         gate = self.gate()
         if gate:
@@ -432,6 +440,7 @@ class Receiver:
                 verify=verify,
                 counter=faults.ItemFaults(armed),
                 plan=self.plan if self.placement == "plan" else None,
+                checks=checks,
             )
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
             self.metrics.placed(tally)

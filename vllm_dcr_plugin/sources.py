@@ -6,7 +6,8 @@ Contract: `payload_source(spec, key=...)` opens the transport seam's payload sou
 payload bytes for the attempt. Not streaming: every payload of the attempt's seal (manifest, or
 the node's manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch):
 payloads as their objects or spool files appear, before the seal, read by a background thread
-(`prefetched`) so the transport's waits overlap the caller's applies. `sealed_set(source, ...)`
+(`prefetched`) so the transport's waits overlap the caller's applies; its `Prefetched.ready` says
+whether the next payload has already arrived. `sealed_set(source, ...)`
 is the set the seal names, as staging's `SealedSet` (the receiver applies exactly that set).
 
 A spec that `open_source` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from shared_codec.errors import ProtocolError
@@ -64,12 +65,30 @@ def attempt_payloads(
     return source.fetch(version, attempt, timeout_s)
 
 
+class Prefetched(Iterator[bytes]):
+    """The iterator `prefetched` returns: a generator (``next``, ``close``) plus `ready`."""
+
+    def __init__(self, gen: Generator[bytes, None, None], q: queue.Queue[tuple[str, Any]]):
+        self._gen, self._q = gen, q
+
+    def __next__(self) -> bytes:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def ready(self) -> bool:
+        """True when the next item (or the end, or an error) is already waiting: ``next`` will
+        not block. The pipelined fetch stages what has arrived before it applies."""
+        return not self._q.empty()
+
+
 def prefetched(
     make_source: Callable[[threading.Event], Iterable[bytes]], depth: int = 4
-) -> Iterator[bytes]:
+) -> Prefetched:
     """Iterate ``make_source(stop)`` in a background thread, at most `depth` items ahead (I/O
     waits of the transport overlap the caller's work); its exception is re-raised in the caller.
-    Closing the generator early (a failed apply) sets `stop`, which the source polls, so the
+    Closing the iterator early (a failed apply) sets `stop`, which the source polls, so the
     thread ends instead of waiting out the attempt."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -91,14 +110,17 @@ def prefetched(
             if not stop.is_set():
                 q.put(("error", e))
 
-    threading.Thread(target=run, name="dcr-prefetch", daemon=True).start()
-    try:
-        while True:
-            kind, value = q.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
+    def drain() -> Generator[bytes, None, None]:
+        threading.Thread(target=run, name="dcr-prefetch", daemon=True).start()
+        try:
+            while True:
+                kind, value = q.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise value
+                yield value
+        finally:
+            stop.set()
+
+    return Prefetched(drain(), q)

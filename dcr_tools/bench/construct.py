@@ -6,9 +6,14 @@ For each injected change rate (3%, 5%: a uniform share of every parameter's elem
 relative amplitude 1e-2, identically on replicas), each mode's hook builds one delta (all
 payloads handed to a counting sink) and the weights are restored. Reported per rate and mode:
 construction seconds (slowest rank), payload bytes (sum over ranks), and for X/P the detection
-time; scan efficiency = ((candidate + baseline bytes read) / detection seconds) / memcpy
-bandwidth, memcpy measured in the same run as ``dst.copy_(src)`` into a preallocated buffer
-(read + written bytes per second). Rank 0 prints the table and writes the JSON.
+time; every build is repeated: one warm-up, then `REPEATS` timed builds, median and min-max.
+Scan efficiency = reference seconds / detection seconds on rank 0, the reference being a
+same-thread read of the same two streams (`read_two`: every tracked parameter's stored bits and
+its baseline, as 64-bit words XORed and ORed into one accumulator, compiled; the least a scan of
+both streams must do), measured the same way (one warm-up, `REPEATS` runs, median) right
+before the builds of each rate. memcpy (``dst.copy_(src)`` into a preallocated buffer, read +
+written bytes per second) is still reported for comparison. Rank 0 prints the table and writes
+the JSON.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+REPEATS = 5  # timed runs after one warm-up, for builds and the read reference
 
 SIZES = {
     "medium": {
@@ -45,16 +53,64 @@ SIZES = {
 }
 
 
-def memcpy_bandwidth(nbytes: int = 256 << 20) -> float:
+def memcpy_bandwidth(nbytes: int = 256 << 20) -> list[float]:
+    """``dst.copy_(src)`` into a preallocated buffer, read + written bytes per second: one
+    warm-up, then REPEATS timed copies (one figure per copy)."""
     src = torch.ones(nbytes // 2, dtype=torch.int16)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
+    out = []
+    for _ in range(REPEATS):
         t0 = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 2 / best
+        out.append(2 * src.numel() * 2 / (time.perf_counter() - t0))
+    return out
+
+
+def _read_kernel() -> Any:
+    import numba
+
+    @numba.njit(nogil=True, cache=False)
+    def read_two(a, b):  # pragma: no cover - compiled
+        acc = np.uint64(0)
+        for i in range(a.shape[0]):
+            acc |= a[i] ^ b[i]
+        return acc
+
+    return read_two
+
+
+def read_two_seconds(hook: Any) -> tuple[list[float], int]:
+    """Same-thread read of what `hook`'s change detection reads (every tracked parameter's
+    stored bits and its baseline tracker): one warm-up, then REPEATS timed passes. Returns the
+    seconds of each pass and the bytes read per pass."""
+    from shared_codec.dtypes import tensor_bits
+
+    kernel = _read_kernel()
+    pairs = []
+    for t in hook.tracked:
+        cur = tensor_bits(t.param.detach().to("cpu")).view(np.uint8)
+        base = tensor_bits(hook.trackers[t.index]).view(np.uint8)
+        n = cur.size // 8 * 8
+        pairs.append((cur[:n].view(np.uint64), base[:n].view(np.uint64)))
+    nbytes = sum(2 * a.nbytes for a, _ in pairs)
+    times = []
+    for rep in range(REPEATS + 1):
+        t0 = time.perf_counter()
+        for a, b in pairs:
+            kernel(a, b)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return times, nbytes
+
+
+def _stats(runs: list[float]) -> dict[str, Any]:
+    return {
+        "median": float(np.median(runs)),
+        "min": float(min(runs)),
+        "max": float(max(runs)),
+        "runs": [float(x) for x in runs],
+    }
 
 
 def inject(model: torch.nn.Module, rate: float, seed: int) -> None:
@@ -110,46 +166,71 @@ def main() -> None:
         )
         for m in ("X", "P", "F")
     }
-    bw = memcpy_bandwidth()
+    bws = memcpy_bandwidth()
+    bw = float(np.median(bws))
     rows: list[dict[str, Any]] = []
     for rate in (0.03, 0.05):
         inject(model, rate, seed=int(rate * 100))
         for mode, hook in hooks.items():
-            sizes: list[int] = []
+            read = read_two_seconds(hook) if mode != "F" else None
+            builds: list[torch.Tensor] = []
+            for rep_i in range(REPEATS + 1):  # the first build is the warm-up
+                sizes: list[int] = []
 
-            def count(payload: bytes, sizes: list[int] = sizes) -> None:
-                sizes.append(len(payload))
+                def count(payload: bytes, sizes: list[int] = sizes) -> None:
+                    sizes.append(len(payload))
 
-            dist.barrier()
-            rep = hook.build(1, 0, sink=count)
-            stats = torch.tensor(
-                [rep.seconds, rep.detect_seconds, float(sum(sizes)), float(rep.owned_elements * 2)],
-                dtype=torch.float64,
-            )
-            mx, sm = stats.clone(), stats.clone()
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            dist.all_reduce(sm)
-            hook.abort()
+                dist.barrier()
+                rep = hook.build(1, rep_i, sink=count)
+                stats = torch.tensor(
+                    [rep.seconds, rep.detect_seconds, float(sum(sizes)), rep.owned_elements * 2.0],
+                    dtype=torch.float64,
+                )
+                mx, sm = stats.clone(), stats.clone()
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+                dist.all_reduce(sm)
+                hook.abort()
+                if rep_i:
+                    builds.append(torch.stack([mx[0], mx[1], sm[2], stats[1], stats[3]]))
+            b = torch.stack(builds)
+            seconds = _stats(b[:, 0].tolist())
             row: dict[str, Any] = {
                 "rate": f"{round(rate * 100)}%",
                 "mode": mode,
-                "seconds": float(mx[0]),
-                "payload_bytes": int(sm[2]),
+                "repeats": REPEATS,
+                "seconds": seconds["median"],
+                "seconds_min": seconds["min"],
+                "seconds_max": seconds["max"],
+                "seconds_runs": seconds["runs"],
+                "payload_bytes": int(b[0, 2]),
                 "element_change_rate": rep.element_change_rate,
             }
-            if mode != "F" and mx[1] > 0:
-                scan = 2 * float(stats[3]) / float(stats[1])  # this rank: candidate + baseline
+            if read is not None and float(b[:, 1].max()) > 0:
+                detect = _stats(b[:, 1].tolist())  # slowest rank
+                own = _stats(b[:, 3].tolist())  # this rank (rank 0 reports)
+                ref = _stats(read[0])
+                scan = float(b[0, 4]) * 2 / own["median"]  # candidate + baseline bytes
                 row.update(
                     {
-                        "detect_seconds": float(mx[1]),
+                        "detect_seconds": detect["median"],
+                        "detect_min_s": detect["min"],
+                        "detect_max_s": detect["max"],
                         "scan_bytes_per_s": scan,
-                        "scan_efficiency": scan / bw,
+                        "read_bytes_per_s": read[1] / ref["median"],
+                        "read_seconds": ref["median"],
+                        "read_min_s": ref["min"],
+                        "read_max_s": ref["max"],
+                        "scan_efficiency": ref["median"] / own["median"],
+                        "scan_efficiency_min": ref["median"] / own["max"],
+                        "scan_efficiency_max": ref["median"] / own["min"],
+                        "scan_vs_memcpy": scan / bw,
                     }
                 )
             rows.append(row)
             if rank == 0:
                 print(
                     f"[bench construct] {row['rate']} {mode}: {row['seconds']:.2f}s "
+                    f"[{row['seconds_min']:.2f}-{row['seconds_max']:.2f}] "
                     f"{row['payload_bytes'] / 1e6:.1f} MB",
                     flush=True,
                 )
@@ -165,6 +246,9 @@ def main() -> None:
             "parameters": int(share["canonical_bytes"] // 2),
             "affine_share": share["affine_share"],
             "memcpy_bytes_per_s": bw,
+            "memcpy_min_bytes_per_s": min(bws),
+            "memcpy_max_bytes_per_s": max(bws),
+            "repeats": REPEATS,
             "rows": rows,
             "baseline_bytes_rank0": {m: h.baseline_bytes() for m, h in hooks.items()},
         }
@@ -190,15 +274,26 @@ def render(res: dict) -> str:
         f"{res['memcpy_bytes_per_s'] / 1e9:.1f} GB/s r+w)"
     ]
     out.append(
-        f"{'rate':>4} {'mode':>4} | {'seconds':>8} | {'payload MB':>10} | "
-        f"{'detect s':>8} | {'scan eff.':>9}"
+        f"(median [min-max] of {res['repeats']} builds after a warm-up; scan efficiency = "
+        "same-thread read of the same two streams / detection, rank 0)"
+    )
+    out.append(
+        f"{'rate':>4} {'mode':>4} | {'seconds':>17} | {'payload MB':>10} | "
+        f"{'detect s':>20} | {'read s':>6} | {'scan eff.':>16} | {'vs memcpy':>9}"
     )
     for r in res["rows"]:
-        det = f"{r['detect_seconds']:8.3f}" if "detect_seconds" in r else f"{'-':>8}"
-        eff = f"{r['scan_efficiency']:9.2f}" if "scan_efficiency" in r else f"{'-':>9}"
+        det = eff = mem = rd = "-"
+        if "detect_seconds" in r:
+            det = f"{r['detect_seconds']:.3f} [{r['detect_min_s']:.3f}-{r['detect_max_s']:.3f}]"
+            eff = (
+                f"{r['scan_efficiency']:.2f} [{r['scan_efficiency_min']:.2f}-"
+                f"{r['scan_efficiency_max']:.2f}]"
+            )
+            mem, rd = f"{r['scan_vs_memcpy']:.2f}", f"{r['read_seconds']:.3f}"
+        secs = f"{r['seconds']:.2f} [{r['seconds_min']:.2f}-{r['seconds_max']:.2f}]"
         out.append(
-            f"{r['rate']:>4} {r['mode']:>4} | {r['seconds']:8.2f} | "
-            f"{r['payload_bytes'] / 1e6:10.2f} | {det} | {eff}"
+            f"{r['rate']:>4} {r['mode']:>4} | {secs:>17} | {r['payload_bytes'] / 1e6:10.2f} | "
+            f"{det:>20} | {rd:>6} | {eff:>16} | {mem:>9}"
         )
     for rate in ("3%", "5%"):
         out.append(

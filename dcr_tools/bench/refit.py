@@ -15,7 +15,10 @@ apply it at once, while the owners still build and upload: the paper's Figure 8)
 commit, digests not recorded. Latency breakdown: construction (slowest rank's ``hook.build``,
 uploads overlap it), upload tail + manifest, then the tails on the engines: fetch still running
 after the build, apply still running after the last payload arrived (sequential: the whole fetch
-and apply), commit; ``apply_work_s`` is the engine's total apply time, overlapped or not.
+and apply), commit; ``apply_work_s`` is the engine's total apply time, overlapped or not
+(wall time: in a pipelined refit it includes the waits for a core the build causes), and
+``apply_work_cpu_s`` the applying thread's CPU time over the same spans (the work itself);
+``apply_parts`` how many parts the engine applied (pipelined: what had arrived, together).
 The reference moves the whole checkpoint of the same version: upload once over the trainer's
 link, download on every rollout node (in parallel, one link each), then a dense load on the
 engine (``dcr_dense_load``); the reference time does not include exporting the checkpoint. The
@@ -200,7 +203,10 @@ def _one(
     else:
         fetch_tail = fetch
     apply_tail = max(0.0, tail - fetch_tail)
-    apply_work = max(float(rk["timings"]["apply_s"]) for a in acks for rk in a["ranks"])
+    ranks = [rk for a in acks for rk in a["ranks"]]
+    apply_work = max(float(rk["timings"]["apply_s"]) for rk in ranks)
+    apply_cpu = max(float(rk["timings"].get("apply_cpu_s", 0.0)) for rk in ranks)
+    parts = max(int(rk.get("pipelined_parts", 1)) for rk in ranks)
     commit = last.seconds.get("commit", 0.0)
     payload = int(last.owners["payload_bytes"])
     # the reference moves this version's checkpoint; its dense load must not change a bit of
@@ -223,6 +229,8 @@ def _one(
         "fetch_tail_s": fetch_tail,
         "apply_tail_s": apply_tail,
         "apply_work_s": apply_work,
+        "apply_work_cpu_s": apply_cpu,
+        "apply_parts": parts,
         "commit_s": commit,
         "transport_share": transport / total,
         "v_payload_bytes": payload,
@@ -293,7 +301,14 @@ def render(res: dict[str, Any]) -> str:
     for rate in dict.fromkeys(r["rate"] for r in res["rows"]):
         p, q = by.get((rate, "pipelined")), by.get((rate, "sequential"))
         if p and q:
-            out.append(f"{rate}: pipelining makes the refit {q['dcr_s'] / p['dcr_s']:.2f}x faster")
+            out.append(
+                f"{rate}: pipelining makes the refit {q['dcr_s'] / p['dcr_s']:.2f}x faster; "
+                f"apply work pipelined / sequential: wall {p['apply_work_s'] * 1e3:.0f} / "
+                f"{q['apply_work_s'] * 1e3:.0f} ms ({p['apply_work_s'] / q['apply_work_s']:.2f}x), "
+                f"CPU {p['apply_work_cpu_s'] * 1e3:.0f} / {q['apply_work_cpu_s'] * 1e3:.0f} ms "
+                f"({p['apply_work_cpu_s'] / max(q['apply_work_cpu_s'], 1e-9):.2f}x), "
+                f"{p['apply_parts']} parts"
+            )
     return "\n".join(out)
 
 

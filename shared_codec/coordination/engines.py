@@ -159,7 +159,8 @@ class HttpEngine:
 
     def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
         """Fetch + stage on every rank, then apply; the merged ACK of all ranks. Pipelined (the
-        default): one ``dcr_fetch`` call that applies each payload as it arrives, so it can be
+        default): one ``dcr_fetch`` call that applies payloads as they arrive (those already
+        waiting together), so it can be
         started while the owners still build. A fetch the engine answered with an error (a
         missing or rejected payload) is a failed ACK; an engine that does not answer raises
         `EngineUnreachable`."""

@@ -55,8 +55,19 @@ SLOW = settings(FAST, max_examples=10_000, derandomize=False)
 def _items(owner: int) -> list:
     rng = np.random.default_rng(owner)
     sparse = np.sort(rng.choice(50_000, 200, replace=False)).astype(np.int64)
+    medium = np.sort(rng.choice(2_000, 200, replace=False)).astype(np.int64)
     return [
-        # gaps (sparse), ranges (one run), bitmap (dense, every other index), empty (ranges)
+        # split gaps (sparse: mean gap 250), gaps (mean gap 10), ranges (one run), bitmap
+        # (dense, every other index), empty (ranges)
+        make_item(
+            "gaps_medium",
+            "float16",
+            (2_000,),
+            owner,
+            Kind.XOR,
+            medium,
+            rng.integers(0, 1 << 16, 200).astype(np.uint16),
+        ),
         make_item(
             "gaps",
             "bfloat16",
@@ -235,7 +246,7 @@ def check_decode(data: bytes, key: bytes | None, raw_len: int) -> str:
 
 def test_bases_decode() -> None:
     for data, key in BASES:
-        assert len(decode_payload(data, key=key).items) == 5
+        assert len(decode_payload(data, key=key).items) == 6
         rebuilt, raw_len = build(BASES.index((data, key)), [], True, True)
         assert check_decode(rebuilt, key, raw_len) == "decoded"
 

@@ -85,6 +85,30 @@ def test_golden_decodes_and_reencodes(name: str) -> None:
     )
 
 
+def split_items():
+    """Items of `v1_split_blocks.bin` (added 2026-12-04): a sparse BF16 XOR item (1% of 200,000
+    elements: split-gaps locations, code 5) whose byte planes exceed 1 KiB, so the zstd body
+    ends a block per plane (compression.compress_parts), and a denser one (plain gaps)."""
+    rng = np.random.default_rng(18)
+    out = []
+    for name, rate in (("model.layers.1.mlp.down_proj.weight", 0.01), ("lm_head.weight", 0.05)):
+        idx = np.flatnonzero(rng.random(200_000) < rate)
+        vals = rng.integers(0, 1 << 16, idx.size).astype(np.uint16) & 0x00FF
+        out.append(make_item(name, "bfloat16", (200, 1000), 2, Kind.XOR, idx, vals))
+    return out
+
+
+def test_golden_split_blocks_decodes_and_reencodes() -> None:
+    stored = (GOLDEN / "v1_split_blocks.bin").read_bytes()
+    p = decode_payload(stored)
+    assert p.meta == META
+    want = split_items()
+    for got, exp in zip(p.items, want, strict=True):
+        assert got.same_as(exp)
+    assert [e.loc_encoding for e in p.header.items] == [5, 1]
+    assert encode_payload(want, META) == stored
+
+
 def test_plain_layout_matches_docs() -> None:
     """The first bytes of the uncompressed golden payload, as spelled out in docs/format.md."""
     b = (GOLDEN / "v1_plain.bin").read_bytes()
@@ -102,6 +126,8 @@ def regen() -> None:
     for name, opts in VARIANTS.items():
         (GOLDEN / name).write_bytes(encode_payload(golden_items(), META, **opts))
         print("wrote", GOLDEN / name)
+    (GOLDEN / "v1_split_blocks.bin").write_bytes(encode_payload(split_items(), META))
+    print("wrote", GOLDEN / "v1_split_blocks.bin")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["regen"]:

@@ -240,6 +240,63 @@ def _one_payload_per_item(items, version: int, base: int, attempt: int) -> list[
     return out
 
 
+def test_pipelined_fetch_resolves_each_planned_parameter_once(tmp_path, monkeypatch) -> None:
+    """The parts of one pipelined fetch share their plan checks (apply.PlanChecks): every
+    planned parameter is looked up (and its geometry checked) once per fetch, not once per
+    part; a later fetch looks it up again."""
+    from shared_codec.transport import DirectoryStore, ObjectPublisher, write_manifest
+    from vllm_dcr_plugin import apply as apply_mod
+    from vllm_dcr_plugin import sources
+
+    model = FakeLoaderModel()
+    v0, v1 = _canonical(0), _canonical(0)
+    _dense(model, v0)
+    rx = Receiver(model, rank={"rank": 0}, placement="plan")
+    report = rx.prewarm([[n, "bfloat16", list(s)] for n, (s, _) in CANON.items()], 0)
+    assert rx.plan is not None and report["planned"]
+    planned = sorted(n for n in CANON if n in rx.plan.tensors)
+    for n in planned:  # only these change, every element
+        v1[n] = (v1[n].float() * 1.5 + 0.25).to(v1[n].dtype)
+    items = [diff_tensors(n, v0[n], v1[n], owner=0, kind=Kind.XOR) for n in planned]
+    looked_up: list[str] = []
+    real = apply_mod.current_tensors
+
+    def counting(model, names):
+        names = list(names)
+        looked_up.extend(names)
+        return real(model, names)
+
+    monkeypatch.setattr(apply_mod, "current_tensors", counting)
+    real_prefetched = sources.prefetched
+
+    def one_part_per_payload(make_source, depth=4):  # never batch: a part per payload
+        it = real_prefetched(make_source, depth)
+        it.ready = lambda: False  # type: ignore[method-assign]
+        return it
+
+    monkeypatch.setattr(sources, "prefetched", one_part_per_payload)
+    store = DirectoryStore(tmp_path / "store")
+    pub = ObjectPublisher(store, version=1, attempt=0, owner=0)
+    from dataclasses import replace
+
+    # every item split by index range over two payloads: two parts write each parameter
+    halves = [
+        replace(it, indices=it.indices[sl], values=it.values[sl])
+        for it in items
+        for sl in (slice(0, it.count // 2), slice(it.count // 2, None))
+    ]
+    for p in _one_payload_per_item(halves, 1, 0, 0):
+        pub.send(p)
+    pub.finish()
+    write_manifest(store, version=1, base_version=0, attempt=0, owners=[0])
+    res = rx.fetch({"kind": "dir", "root": str(tmp_path / "store")}, 1, 0, timeout_s=20,
+                   apply={"verify": True})  # fmt: skip
+    ack = res["ack"]
+    assert ack["ok"] and ack["plan_items"] == len(halves) and ack["pipelined_parts"] > 2, ack
+    assert looked_up and len(looked_up) == len(set(looked_up)), looked_up
+    _assert_holds(model, v1)
+
+
 def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> None:
     """`fetch(..., apply=...)` over a directory store: payload 0 is applied while the owner
     has not published payload 1 or the manifest yet (the publisher waits for that, so a fetch
@@ -307,7 +364,13 @@ def test_pipelined_fetch_applies_each_payload_before_the_manifest(tmp_path) -> N
     assert seen == {"applied_before_rest": True, "state_then": "applying"}
     ack = res["ack"]
     assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
-    assert ack["payloads"] == 3 and ack["pipelined_parts"] == 4 and ack["target_version"] == 1
+    # payload 0 alone, then 1 and 2 (together when 2 had arrived before 1 was applied; in the
+    # closing part when the stream had ended too), then the closing part
+    assert ack["payloads"] == 3 and ack["pipelined_parts"] in (2, 3, 4), ack
+    assert ack["target_version"] == 1
+    # the parts' CPU time is summed like their wall time, and is at most it (no waits inside)
+    timings = ack["timings"]
+    assert 0 < timings["apply_cpu_s"] <= timings["apply_s"] * 1.05 + 1e-3, timings
     assert rx.state == "applied"
     _assert_holds(model, v1)
     rx.commit(1)
@@ -374,6 +437,37 @@ def test_prefetch_thread_ends_when_its_consumer_gives_up() -> None:
     assert next(it) == b"a"
     with pytest.raises(OSError, match="link down"):
         next(it)
+
+
+def test_prefetched_says_whether_the_next_payload_has_arrived() -> None:
+    """`Prefetched.ready`: True while a fetched payload waits (the pipelined fetch then stages
+    it before applying), False while the source is still waiting for the next object."""
+    import threading
+    import time
+
+    from vllm_dcr_plugin.sources import prefetched as _prefetched
+
+    more = threading.Event()
+
+    def source(stop: threading.Event):
+        yield b"a"
+        yield b"b"
+        while not more.is_set() and not stop.is_set():
+            time.sleep(0.005)
+        yield b"c"
+
+    it = _prefetched(source)
+    assert next(it) == b"a"
+    deadline = time.monotonic() + 5
+    while not it.ready() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert it.ready()  # b is waiting
+    assert next(it) == b"b"
+    time.sleep(0.05)
+    assert not it.ready()  # c is not there yet
+    more.set()
+    assert next(it) == b"c"
+    assert list(it) == []
 
 
 def test_staging_checks_the_destination_before_decompression(monkeypatch) -> None:
