@@ -35,6 +35,13 @@ with any number of model chunks per rank (virtual stages). Each rank owns shards
 pipeline stage only (conversion.py: other stages' parameters are remote tasks it converts
 collectively but never owns), so owned elements add up to the canonical element count.
 
+Lazily gathered parameters (distributed optimizer with ``overlap_param_gather``): the
+optimizer's step leaves the updated BF16 parameters to be all-gathered by the next forward
+pass. The hook finishes that gather itself before any detection (``_sync_params``: every
+``DistributedDataParallel`` chunk's ``start_param_sync(force_sync=True)``), so it reads the
+updated values, as Megatron's own checkpointing does; the next forward then finds the
+parameters already in sync.
+
 Limitations:
 1. Trackers are CPU copies; change detection runs on the parameters' device.
 """
@@ -202,6 +209,7 @@ class DCRHook:
         self.chunks = list(model_chunks)
         self.model = self.chunks[0]
         self.config = config
+        self._sync_params()
         self.rank = self.groups.world.rank
         self.world = self.groups.world.size
         self.payloads: list[bytes] = []
@@ -231,6 +239,15 @@ class DCRHook:
         warm_up()  # compile the detection scan now, not inside the first optimizer step
 
     # -- baseline ------------------------------------------------------------------------
+    def _sync_params(self) -> None:
+        """Finish any lazily deferred parameter all-gather (``overlap_param_gather``) so the
+        stored bits read below are the updated ones (module docstring). No-op otherwise."""
+        for chunk in self.chunks:
+            sync = getattr(chunk, "start_param_sync", None)
+            ddp_config = getattr(chunk, "ddp_config", None)
+            if sync is not None and getattr(ddp_config, "overlap_param_gather", False):
+                sync(force_sync=True)
+
     def _convert(self, tasks: list[Task]) -> dict[str, torch.Tensor]:
         """Canonical tensors of `tasks` via the bridge (collective), kept if this rank owns them."""
         mine: dict[str, torch.Tensor] = {}
@@ -276,6 +293,7 @@ class DCRHook:
         """
         if version <= self.committed_version:
             raise ProtocolError(f"version {version} <= committed {self.committed_version}")
+        self._sync_params()
         if retry and self._built is not None and self._built[0] == version:
             self.verify_candidate(version)  # the retry must re-emit the same candidate
         t0 = time.perf_counter()
