@@ -30,8 +30,9 @@ Process groups: the hook takes a `ParallelGroups` (``groups=``; default
 the payload owner id and every reduction use it; nothing below the constructor asks
 megatron-core's ``parallel_state`` or the default process group.
 
-Parallel layouts: TP, DP (with or without the distributed optimizer), CP, EP/ETP, SP, and PP
-with any number of model chunks per rank (virtual stages). Each rank owns shards of its own
+Parallel layouts: TP, DP (with or without the distributed optimizer), EP/ETP, SP, and PP with
+any number of model chunks per rank (virtual stages); CP ranks count as data-parallel replicas
+(groups.py; not run here: megatron-core's CPU attention refuses CP). Each rank owns shards of its own
 pipeline stage only (conversion.py: other stages' parameters are remote tasks it converts
 collectively but never owns), so owned elements add up to the canonical element count.
 
@@ -39,11 +40,13 @@ Lazily gathered parameters (distributed optimizer with ``overlap_param_gather``)
 optimizer's step leaves the updated BF16 parameters to be all-gathered by the next forward
 pass. The hook finishes that gather itself before any detection (``_sync_params``: every
 ``DistributedDataParallel`` chunk's ``start_param_sync(force_sync=True)``), so it reads the
-updated values, as Megatron's own checkpointing does; the next forward then finds the
-parameters already in sync.
+updated values, as Megatron-LM does before saving a checkpoint; the next forward then finds
+the parameters already in sync.
 
 Limitations:
 1. Trackers are CPU copies; change detection runs on the parameters' device.
+2. The lazy gather is finished only on chunks given DDP-wrapped (``start_param_sync``); pass
+   the chunks as the training loop holds them, not the bare GPTModels.
 """
 
 from __future__ import annotations
