@@ -193,6 +193,8 @@ class Trainer:
 
         if not samples:
             raise ValueError("pg_step needs at least one sample")
+        if self.pp > 1 or len(self.chunks) > 1:
+            raise ValueError("pg_step runs one model chunk without pipeline parallelism (PP=1)")
         seqs = [list(s["prompt"]) + list(s["completion"]) for s in samples]
         width = max(len(x) for x in seqs)
         tokens = torch.zeros(len(seqs), width, dtype=torch.long)
