@@ -9,10 +9,20 @@ tasks, and as the test oracle.
 Call order: every rank of the job calls ``load_hf_weights`` / ``export_hf_weights`` with the same
 model structure; the mappings run TP/EP collectives in parameter order.
 
+Pipeline parallelism (PP, and virtual stages: any number of model chunks per rank) follows
+megatron-bridge's own export: the task list of a rank is the job-global parameter list of its
+pipeline group (every stage's names, gathered once, in pipeline-rank then chunk order), so all
+ranks of a pipeline group walk the same list. A parameter held on another stage is a *remote*
+task (no parameter, no module): the rank still calls its mapping with ``None`` and the bridge
+broadcasts the owning stage's shard (``broadcast_from_pp_rank``) before its TP/EP gathers.
+Local layer indices become global ones through each layer's ``layer_number`` (megatron's
+per-chunk layer offset), as the bridge does.
+
 Limitations:
-1. PP=1 and one model chunk (no virtual pipeline stages).
-2. Local expert names (SequentialMLP) are converted to the EP-global expert index
+1. Local expert names (SequentialMLP) are converted to the EP-global expert index
    ``ep_rank * E/EP + i`` before the registry lookup.
+2. Under PP every conversion broadcasts the whole (TP-local) shard across the pipeline group;
+   DCR converts only probes (once), residual tasks and mode F that way.
 """
 
 from __future__ import annotations
@@ -30,13 +40,20 @@ from megatron_dcr_hooks.groups import ParallelGroups
 
 @dataclass(frozen=True, kw_only=True)
 class ParamTask:
-    """One Megatron parameter of this rank and the resolved bridge mapping that converts it."""
+    """One Megatron parameter of the pipeline group and the resolved bridge mapping that
+    converts it. `param`, `module`, `local_name` and `chunk` are None for a *remote* task (the
+    parameter lives on another pipeline stage; module docstring)."""
 
-    local_name: str
+    local_name: str | None
     global_name: str
-    param: torch.nn.Parameter
-    module: torch.nn.Module
+    param: torch.nn.Parameter | None
+    module: torch.nn.Module | None
     mapping: Any
+    chunk: int | None = None
+
+    @property
+    def local(self) -> bool:
+        return self.param is not None
 
     @property
     def hf_names(self) -> list[str]:
@@ -44,11 +61,73 @@ class ParamTask:
         return [hf] if isinstance(hf, str) else list(hf.values())
 
 
+def _clear_pp_caches(mapping: Any, depth: int = 0) -> None:
+    """Reset the bridge's per-mapping pipeline state of `mapping` and its nested mappings, so
+    every pipeline rank runs the same broadcasts in every conversion: the cached broadcast specs
+    (shape, dtype: DCR converts the same mapping with int64 probes and BF16 shards) and
+    AutoMapping's detected layout (the registry shares direct-name mappings between lookups, so
+    a rank that used one locally, e.g. to load, would skip the broadcast its peers wait in)."""
+    clear = getattr(mapping, "clear_tensor_spec_output_cache", None)
+    if clear is None or depth > 3:
+        return
+    clear()
+    mapping.clear_broadcast_cache()
+    if hasattr(mapping, "_detected_type"):  # AutoMapping: detect (and broadcast) again
+        mapping._mapping = None
+    for value in vars(mapping).values():
+        _clear_pp_caches(value, depth + 1)
+
+
+def megatron_to_hf(task: ParamTask, tensor: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Convert `tensor` (this rank's shard of `task`, or None for a remote task) to canonical
+    tensors with the task's bridge mapping. Collective over the task's TP/EP groups and, with
+    PP > 1, over the pipeline group."""
+    if getattr(task.mapping, "pp_size", 1) > 1:
+        _clear_pp_caches(task.mapping)
+    return task.mapping.megatron_to_hf(tensor, task.module)
+
+
 def unwrap(model: Any) -> torch.nn.Module:
     """Strip DDP / Float16Module wrappers (``.module`` chains)."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
+
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)\.")
+
+
+def global_layer_name(root: torch.nn.Module, local_name: str) -> str:
+    """`local_name` with its chunk-local layer index replaced by the global one (the layer's
+    ``layer_number`` - 1, i.e. megatron's pipeline / virtual-stage layer offset applied)."""
+    m = _LAYER.match(local_name)
+    if m is None:
+        return local_name
+    layer = root.get_submodule(m.group(1) + m.group(2))
+    number = getattr(layer, "layer_number", None)
+    if number is None:
+        return local_name
+    return f"{m.group(1)}{int(number) - 1}.{local_name[m.end() :]}"
+
+
+def _gather_names(names: list[str], group: Any, size: int) -> list[list[str]]:
+    """All-gather one list of names per rank of `group` (UTF-8 in uint8 tensors, no pickle)."""
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray("\n".join(names).encode() or b"\0"), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, n, group=group)
+    width = int(max(int(x) for x in lengths))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group)
+    out = []
+    for part, length in zip(parts, lengths, strict=True):
+        raw = bytes(part[: int(length)].tolist())
+        out.append([] if raw == b"\0" else raw.decode().split("\n"))
+    return out
 
 
 def global_param_name(local_name: str, config: Any, ep_rank: int, ep_size: int) -> str:
@@ -70,44 +149,76 @@ def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
 def conversion_tasks(
     model: Any, architecture: str, groups: ParallelGroups | None = None
 ) -> list[ParamTask]:
-    """Resolve every parameter of `model` on this rank against the bridge registry.
+    """Resolve every parameter of the pipeline group against the bridge registry.
 
+    `model`: one model or this rank's list of model chunks (virtual pipeline stages).
     `groups`: the job's process groups (the expert-parallel position names local experts by
-    their EP-global index); default `ParallelGroups.from_megatron()`.
-    Raises ValueError naming any parameter the registry cannot map (never skips silently);
-    the tied output layer (``share_embeddings_and_output_weights``) is not a separate task.
+    their EP-global index; the pipeline group gathers the other stages' names); default
+    `ParallelGroups.from_megatron()`. Collective over the pipeline group when PP > 1.
+    Returns local tasks and, with PP > 1, remote tasks (module docstring) in one order shared
+    by the pipeline group. Raises ValueError naming any parameter the registry cannot map
+    (never skips silently); the tied output layer (``share_embeddings_and_output_weights``)
+    is not a separate task.
     """
     groups = groups or ParallelGroups.from_megatron()
-    root = unwrap(model)
-    config = root.config
+    chunks = model if isinstance(model, (list, tuple)) else [model]
     registry = bridge_registry.mapping_registry_for(architecture)
-    tasks: list[ParamTask] = []
-    for local_name, param in root.named_parameters():
-        if "_extra_state" in local_name:
-            continue
-        if local_name.startswith("output_layer.") and getattr(
-            root, "share_embeddings_and_output_weights", False
-        ):
-            continue
-        gname = global_param_name(local_name, config, groups.ep.rank, groups.ep.size)
+
+    def mapping_of(gname: str) -> Any:
         mapping = registry.megatron_to_hf_lookup(gname)
         if mapping is None:
             raise ValueError(
                 f"megatron-bridge registry for {architecture!r} has no mapping for parameter "
                 f"{gname!r}; extend the bridge registry, not DCR"
             )
-        module = _module_of(root, local_name)
-        if not hasattr(module, "config"):
-            module.config = config
-        tasks.append(
-            ParamTask(
+        return mapping
+
+    local: dict[str, ParamTask] = {}
+    for chunk, wrapped in enumerate(chunks):
+        root = unwrap(wrapped)
+        config = root.config
+        for local_name, param in root.named_parameters():
+            if "_extra_state" in local_name:
+                continue
+            if local_name.startswith("output_layer.") and getattr(
+                root, "share_embeddings_and_output_weights", False
+            ):
+                continue
+            gname = global_param_name(
+                global_layer_name(root, local_name), config, groups.ep.rank, groups.ep.size
+            )
+            if gname in local:
+                raise ValueError(f"parameter {gname!r} appears in two model chunks")
+            module = _module_of(root, local_name)
+            if not hasattr(module, "config"):
+                module.config = config
+            local[gname] = ParamTask(
                 local_name=local_name,
                 global_name=gname,
                 param=param,
                 module=module,
-                mapping=mapping,
+                mapping=mapping_of(gname),
+                chunk=chunk,
             )
-        )
+    if groups.pp.size == 1:
+        return list(local.values())
+    tasks: list[ParamTask] = []
+    seen: set[str] = set()
+    for names in _gather_names(list(local), groups.pp.group, groups.pp.size):
+        for gname in names:
+            if gname in seen:
+                raise ValueError(f"parameter {gname!r} is held by two pipeline stages")
+            seen.add(gname)
+            tasks.append(
+                local.get(gname)
+                or ParamTask(
+                    local_name=None,
+                    global_name=gname,
+                    param=None,
+                    module=None,
+                    mapping=mapping_of(gname),
+                )  # fmt: skip
+            )
     return tasks
 
 
@@ -116,11 +227,14 @@ def load_hf_weights(
 ) -> list[ParamTask]:
     """Load canonical tensors into this rank's shards (every rank calls; collectives inside).
 
-    `hf_tensor(name)` returns the canonical tensor `name` (CPU). Returns the tasks used.
+    `model`: one model or this rank's model chunks. `hf_tensor(name)` returns the canonical
+    tensor `name` (CPU). Returns the tasks (remote ones included, not loaded here).
     """
     tasks = conversion_tasks(model, architecture)
     with torch.no_grad():
         for task in tasks:
+            if task.param is None:
+                continue  # held by another pipeline stage
             hf = task.mapping.hf_param
             weights: Any = (
                 hf_tensor(hf) if isinstance(hf, str) else {k: hf_tensor(v) for k, v in hf.items()}
@@ -141,12 +255,15 @@ def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.T
     """Yield canonical (name, tensor) pairs converted from the Megatron shards.
 
     Every rank must iterate to the end (collectives). Each rank yields every canonical tensor
-    (TP and EP gathers are all-gathers); duplicates of replicated tensors are not yielded twice.
+    (TP and EP gathers are all-gathers, other stages' tensors are broadcast across the pipeline
+    group); duplicates of replicated tensors are not yielded twice. `model`: one model or this
+    rank's model chunks.
     """
     seen: set[str] = set()
     with torch.no_grad():
         for task in conversion_tasks(model, architecture):
-            out = task.mapping.megatron_to_hf(task.param.detach(), task.module)
+            shard = task.param.detach() if task.param is not None else None
+            out = megatron_to_hf(task, shard)
             for name, tensor in out.items():
                 if name in seen:
                     continue

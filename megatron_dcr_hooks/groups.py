@@ -4,7 +4,8 @@
 position in each: the job-wide group (every reduction of the hook and the owner service, the
 payload owner id, the residual-baseline owner), the tensor-, data-, expert- and
 expert-data-parallel groups (ownership: who holds bitwise-identical copies of a shard; the
-EP-global expert index) and the pipeline group (checked: PP=1). `enable_dcr` / `DCRHook` take
+EP-global expert index) and the pipeline group (the other stages' parameter names; the
+bridge's pipeline broadcasts). `enable_dcr` / `DCRHook` take
 one (``groups=``); the default, `ParallelGroups.from_megatron()`, reads megatron-core's
 ``parallel_state`` once, in the hook's constructor. Nothing below the constructor calls the
 ``parallel_state`` getters or uses the default process group implicitly, so a job that runs
@@ -14,8 +15,10 @@ Limitations:
 1. megatron-bridge's mapping classes run their own TP/EP gathers on megatron-core's
    ``parallel_state`` groups (inside ``megatron_to_hf``); the TP and EP groups given here must
    be the same groups (`from_megatron` guarantees it).
-2. Data-parallel ranks are taken without context parallelism (as megatron-core's
-   ``get_data_parallel_rank()`` default).
+2. Data-parallel ranks are taken *with* context parallelism (``with_context_parallel=True``):
+   context-parallel ranks hold bitwise-identical copies of every non-expert shard, exactly as
+   data-parallel replicas do (megatron reduces gradients over the DP x CP group). Expert-data-
+   parallel groups already span the context-parallel ranks.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class ParallelGroups:
     """The trainer job's process groups as the owner hook needs them (module docstring).
 
     `world`: every rank of the job (reductions, owner ids = ``world.rank``); `tp`: tensor
-    parallel; `dp`: data parallel (without context parallelism); `ep`: expert model parallel;
+    parallel; `dp`: data parallel x context parallel (holders of identical non-expert shards); `ep`: expert model parallel;
     `expert_dp`: expert data parallel (holders of identical expert shards); `pp`: pipeline.
     """
 
@@ -79,9 +82,9 @@ class ParallelGroups:
                 size=ps.get_tensor_model_parallel_world_size(),
             ),
             dp=RankGroup(
-                group=ps.get_data_parallel_group(),
-                rank=ps.get_data_parallel_rank(),
-                size=ps.get_data_parallel_world_size(),
+                group=ps.get_data_parallel_group(with_context_parallel=True),
+                rank=ps.get_data_parallel_rank(with_context_parallel=True),
+                size=ps.get_data_parallel_world_size(with_context_parallel=True),
             ),
             ep=RankGroup(
                 group=ps.get_expert_model_parallel_group(),

@@ -30,9 +30,23 @@ Process groups: the hook takes a `ParallelGroups` (``groups=``; default
 the payload owner id and every reduction use it; nothing below the constructor asks
 megatron-core's ``parallel_state`` or the default process group.
 
+Parallel layouts: TP, DP (with or without the distributed optimizer), EP/ETP, SP, and PP with
+any number of model chunks per rank (virtual stages); CP ranks count as data-parallel replicas
+(groups.py; not run here: megatron-core's CPU attention refuses CP). Each rank owns shards of its own
+pipeline stage only (conversion.py: other stages' parameters are remote tasks it converts
+collectively but never owns), so owned elements add up to the canonical element count.
+
+Lazily gathered parameters (distributed optimizer with ``overlap_param_gather``): the
+optimizer's step leaves the updated BF16 parameters to be all-gathered by the next forward
+pass. The hook finishes that gather itself before any detection (``_sync_params``: every
+``DistributedDataParallel`` chunk's ``start_param_sync(force_sync=True)``), so it reads the
+updated values, as Megatron-LM does before saving a checkpoint; the next forward then finds
+the parameters already in sync.
+
 Limitations:
-1. PP=1, one model chunk (conversion.py); a pipeline group of size > 1 is refused.
-2. Trackers are CPU copies; change detection runs on the parameters' device.
+1. Trackers are CPU copies; change detection runs on the parameters' device.
+2. The lazy gather is finished only on chunks given DDP-wrapped (``start_param_sync``); pass
+   the chunks as the training loop holds them, not the bare GPTModels.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dcr_hooks.conversion import megatron_to_hf
 from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.ownership import owns, residual_owner
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
@@ -191,22 +206,20 @@ class DCRHook:
         *,
         groups: ParallelGroups | None = None,
     ) -> None:
-        if len(model_chunks) != 1:
-            raise ValueError("DCR supports one model chunk (no virtual pipeline stages) for now")
+        if not model_chunks:
+            raise ValueError("DCRHook needs this rank's model chunks (at least one)")
         self.groups = groups if groups is not None else ParallelGroups.from_megatron()
-        if self.groups.pp.size != 1:
-            raise ValueError(
-                f"DCR supports pipeline parallel size 1 for now, got {self.groups.pp.size}"
-            )
-        self.model = model_chunks[0]
+        self.chunks = list(model_chunks)
+        self.model = self.chunks[0]
         self.config = config
+        self._sync_params()
         self.rank = self.groups.world.rank
         self.world = self.groups.world.size
         self.payloads: list[bytes] = []
         self.tasks: list[Task] = build_tasks(
-            self.model, config.architecture, self.groups, force_residual=config.force_residual
+            self.chunks, config.architecture, self.groups, force_residual=config.force_residual
         )
-        self.owned = [t for t in self.tasks if owns(t, self.groups)]
+        self.owned = [t for t in self.tasks if t.local and owns(t, self.groups)]
         self.owned_idx = {t.index for t in self.owned}
         full = config.mode is ConstructionMode.F
         self.tracked = [t for t in self.owned if t.kind is TaskKind.AFFINE and not full]
@@ -229,12 +242,22 @@ class DCRHook:
         warm_up()  # compile the detection scan now, not inside the first optimizer step
 
     # -- baseline ------------------------------------------------------------------------
+    def _sync_params(self) -> None:
+        """Finish any lazily deferred parameter all-gather (``overlap_param_gather``) so the
+        stored bits read below are the updated ones (module docstring). No-op otherwise."""
+        for chunk in self.chunks:
+            sync = getattr(chunk, "start_param_sync", None)
+            ddp_config = getattr(chunk, "ddp_config", None)
+            if sync is not None and getattr(ddp_config, "overlap_param_gather", False):
+                sync(force_sync=True)
+
     def _convert(self, tasks: list[Task]) -> dict[str, torch.Tensor]:
         """Canonical tensors of `tasks` via the bridge (collective), kept if this rank owns them."""
         mine: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for t in tasks:
-                out = t.param_task.mapping.megatron_to_hf(t.param.detach(), t.param_task.module)
+                shard = t.param.detach() if t.local else None
+                out = megatron_to_hf(t.param_task, shard)
                 for name, tensor in out.items():
                     if residual_owner(name, self.world) == self.rank:
                         mine[name] = tensor.detach().to("cpu").contiguous().clone()
@@ -273,6 +296,7 @@ class DCRHook:
         """
         if version <= self.committed_version:
             raise ProtocolError(f"version {version} <= committed {self.committed_version}")
+        self._sync_params()
         if retry and self._built is not None and self._built[0] == version:
             self.verify_candidate(version)  # the retry must re-emit the same candidate
         t0 = time.perf_counter()

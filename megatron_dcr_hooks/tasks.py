@@ -14,6 +14,12 @@ doubled outputs, so arithmetic conversions (scales, offsets) are classified resi
 each task is stored as runs (local start, canonical tensor, canonical start, length): one run per
 contiguous row segment, so its memory is negligible next to the shard.
 
+Under pipeline parallelism the task list also holds *remote* tasks (parameters of other stages,
+``conversion.py``): a rank probes them too, because the bridge broadcasts the owning stage's ids
+across the pipeline group, but none of their ids are its own, so they get no map here and are
+never owned. The classification is agreed job-wide (a task residual anywhere is residual
+everywhere), so every rank walks the same residual conversions.
+
 Limitations:
 1. Probing allocates int64 copies of each canonical tensor transiently (one task at a time).
 2. A conversion that changes dtype is residual (XOR masks would not carry over).
@@ -30,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dcr_hooks.conversion import ParamTask, conversion_tasks
+from megatron_dcr_hooks.conversion import ParamTask, conversion_tasks, megatron_to_hf
 from megatron_dcr_hooks.groups import ParallelGroups
 from shared_codec.errors import OwnerBuildError
 
@@ -86,8 +92,16 @@ class Task:
         return self.param_task.global_name
 
     @property
+    def local(self) -> bool:
+        """Whether this rank holds the parameter (False: another pipeline stage does)."""
+        return self.param_task.param is not None
+
+    @property
     def param(self) -> torch.nn.Parameter:
-        return self.param_task.param
+        """This rank's shard (local tasks only)."""
+        p = self.param_task.param
+        assert p is not None, f"{self.name} is held by another pipeline stage"
+        return p
 
 
 def stable_hash(name: str) -> int:
@@ -113,8 +127,8 @@ def _runs(local: np.ndarray, name_of: np.ndarray, hf: np.ndarray, names: list[st
     )
 
 
-def _probe(pt: ParamTask, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    return pt.mapping.megatron_to_hf(ids, pt.module)
+def _probe(pt: ParamTask, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return megatron_to_hf(pt, ids)
 
 
 def build_tasks(
@@ -143,18 +157,20 @@ def classify_tasks(
 
     Pure apart from the mappings themselves: ids are tagged with ``groups.world.rank``, and an
     id from outside ``1..groups.world.size`` makes a task residual. Collective exactly when the
-    mappings are (the bridge's TP/EP gathers)."""
+    mappings are (the bridge's TP/EP gathers, the pipeline broadcast of remote tasks), plus one
+    all-reduce over ``groups.world`` that agrees the classification job-wide."""
     rank = groups.world.rank
     tag = (rank + 1) << ID_SHIFT
     tasks: list[Task] = []
     for i, pt in enumerate(param_tasks):
         p = pt.param
-        n = p.numel()
-        ids = (torch.arange(n, dtype=torch.int64) + tag).reshape(p.shape)
+        ids = None
+        if p is not None:
+            ids = (torch.arange(p.numel(), dtype=torch.int64) + tag).reshape(p.shape)
         with torch.no_grad():
             out = _probe(pt, ids)
-            out2 = _probe(pt, ids * 2)
-            real = _probe(pt, p.detach())
+            out2 = _probe(pt, ids * 2 if ids is not None else None)
+            real = _probe(pt, p.detach() if p is not None else None)
         names = sorted(out)
         hf_shapes = {k: tuple(out[k].shape) for k in names}
         dtypes = {v.dtype for v in real.values()}
@@ -162,10 +178,12 @@ def classify_tasks(
             type(pt.mapping).__name__ not in force_residual
             and set(out2) == set(out)
             and all(torch.equal(out2[k], out[k] * 2) for k in names)
-            and dtypes == {p.dtype}
+            and len(dtypes) == 1
+            and (p is None or dtypes == {p.dtype})
         )
         local_l, name_l, hf_l = [], [], []
-        if affine:
+        if affine and p is not None:
+            n = p.numel()
             for j, k in enumerate(names):
                 flat = out[k].reshape(-1)
                 rank_of = flat >> ID_SHIFT
@@ -177,7 +195,7 @@ def classify_tasks(
                 hf_l.append(mine.numpy().astype(np.int64))
                 name_l.append(np.full(mine.numel(), j, dtype=np.int32))
         amap = None
-        if affine:
+        if affine and p is not None:
             amap = _runs(
                 np.concatenate(local_l) if local_l else np.empty(0, np.int64),
                 np.concatenate(name_l) if name_l else np.empty(0, np.int32),
@@ -197,11 +215,26 @@ def classify_tasks(
                 amap=amap,
                 hf_shapes=hf_shapes,
                 hf_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-                replicated=not bool(getattr(p, "tensor_model_parallel", False)),
-                expert=not bool(getattr(p, "allreduce", True)),
+                replicated=p is not None and not bool(getattr(p, "tensor_model_parallel", False)),
+                expert=p is not None and not bool(getattr(p, "allreduce", True)),
             )
         )
+    _agree_kinds(tasks, groups)
     return tasks
+
+
+def _agree_kinds(tasks: list[Task], groups: ParallelGroups) -> None:
+    """A task residual on any rank becomes residual on every rank (collective over
+    ``groups.world``; task lists have the same length and order on every rank)."""
+    if groups.world.size == 1 or groups.world.group is None:
+        return
+    import torch.distributed as dist
+
+    flags = torch.tensor([t.kind is TaskKind.RESIDUAL for t in tasks], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.world.group)
+    for t, flag in zip(tasks, flags.tolist(), strict=True):
+        if flag and t.kind is TaskKind.AFFINE:
+            t.kind, t.amap = TaskKind.RESIDUAL, None
 
 
 def affine_share(tasks: list[Task]) -> dict[str, float]:
@@ -213,7 +246,7 @@ def affine_share(tasks: list[Task]) -> dict[str, float]:
             if name in seen:
                 continue
             seen.add(name)
-            nbytes = float(np.prod(shape)) * t.param.element_size()
+            nbytes = float(np.prod(shape)) * (t.hf_dtype or torch.bfloat16).itemsize
             total[1] += nbytes
             if t.kind is TaskKind.AFFINE:
                 total[0] += nbytes

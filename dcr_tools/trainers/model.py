@@ -12,8 +12,9 @@ Limitations:
 1. GPT-style families whose provider is ``GPTModelProvider`` and whose norm is RMSNorm
    (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE); MLA, Mamba and other provider
    classes raise ValueError naming the provider.
-2. Pipeline parallelism is not wired here (PP=1); MoE with TP>1 turns on sequence parallelism
-   (megatron requires it) and uses ``cpu_compat.SPRMSNorm`` for every norm.
+2. Pipeline parallelism builds one chunk per virtual stage (`build_gpt_chunks`); MoE with TP>1
+   turns on sequence parallelism (megatron requires it; ``sp=True`` turns it on for dense
+   models too) and every norm is ``cpu_compat.SPRMSNorm``.
 3. Fusions are off (CPU): bias-activation, softmax, RoPE, gradient-accumulation fusion.
 """
 
@@ -32,11 +33,18 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    vpp: int = 1  # model chunks per pipeline stage (virtual pipeline)
+    cp: int = 1
+    sp: bool = False  # sequence parallelism (forced on for MoE with TP > 1)
+    expert_tp: int | None = None  # expert tensor parallel size; default: see `etp`
 
     @property
     def etp(self) -> int:
         """Expert tensor parallel size: 1 with expert parallelism, else TP (megatron reduces
-        expert grads over expert-DP only when EP > 1, so ETP=1 with EP=1 and TP>1 is unsafe)."""
+        expert grads over expert-DP only when EP > 1, so ETP=1 with EP=1 and TP>1 is unsafe),
+        unless `expert_tp` sets it."""
+        if self.expert_tp is not None:
+            return self.expert_tp
         return 1 if self.ep > 1 else self.tp
 
     def initialize(self) -> None:
@@ -48,6 +56,8 @@ class ParallelLayout:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None,
+            context_parallel_size=self.cp,
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
         )
@@ -152,8 +162,10 @@ def transformer_config_from_hf(
         {
             "tensor_model_parallel_size": layout.tp,
             "pipeline_model_parallel_size": layout.pp,
+            "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+            "context_parallel_size": layout.cp,
             "expert_model_parallel_size": layout.ep,
-            "sequence_parallel": moe and layout.tp > 1,
+            "sequence_parallel": layout.tp > 1 and (moe or layout.sp),
         }
     )
     if moe:
@@ -187,19 +199,57 @@ def layer_spec(config: Any) -> Any:
     return spec
 
 
-def build_gpt_model(hf_config: dict[str, Any], layout: ParallelLayout, **overrides: Any) -> Any:
-    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised).
+def build_gpt_chunks(hf_config: dict[str, Any], layout: ParallelLayout, **overrides: Any) -> list:
+    """This rank's model chunks (one per virtual pipeline stage, ``layout.vpp``), each a GPTModel
+    holding the layers megatron assigns to (pipeline rank, virtual stage); embedding on the
+    first stage's first chunk, final norm and output layer on the last stage's last chunk.
+    parallel_state must be initialised with the same layout."""
+    from megatron.core import parallel_state as ps
+
+    config = transformer_config_from_hf(hf_config, layout, **overrides)
+    chunks = []
+    for vp in range(layout.vpp):
+        stage = vp if layout.vpp > 1 else None
+        chunks.append(
+            build_gpt_model(
+                hf_config,
+                layout,
+                config=config,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            )
+        )
+    return chunks
+
+
+def build_gpt_model(
+    hf_config: dict[str, Any],
+    layout: ParallelLayout,
+    *,
+    config: Any = None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    **overrides: Any,
+) -> Any:
+    """A GPTModel for `hf_config` on this rank (parallel_state must be initialised): the whole
+    model with PP=1, one pipeline chunk otherwise (`build_gpt_chunks`).
 
     Vocabulary is the HF vocabulary exactly (it must divide by TP); embeddings are tied iff the
     bridge's provider says so (``tie_word_embeddings``).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     from megatron_dcr_hooks.cpu_compat import SPRMSNorm
 
     settings = provider_settings(hf_config)
-    config = transformer_config_from_hf(hf_config, layout, **overrides)
+    if config is None:
+        config = transformer_config_from_hf(hf_config, layout, **overrides)
     vocab = int(settings["vocab_size"])
     if vocab % layout.tp:
         raise ValueError(f"vocab_size {vocab} must be divisible by TP={layout.tp}")
@@ -208,15 +258,16 @@ def build_gpt_model(hf_config: dict[str, Any], layout: ParallelLayout, **overrid
         rope = {"rope_scaling": True, "rope_scaling_factor": settings["rope_scaling_factor"]}
     # A block spec (not a layer spec) so the final norm is SPRMSNorm too.
     block = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config)] * config.num_layers, layer_norm=SPRMSNorm
+        layer_specs=[layer_spec(config)] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SPRMSNorm,
     )
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=vocab,
         max_sequence_length=int(settings.get("seq_length", 4096)),
-        pre_process=True,
-        post_process=True,
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=bool(
             settings.get("share_embeddings_and_output_weights", False)
@@ -225,5 +276,6 @@ def build_gpt_model(hf_config: dict[str, Any], layout: ParallelLayout, **overrid
         rotary_percent=float(settings.get("rotary_percent", 1.0)),
         # read explicitly: a config without it would get the bridge's silent default base
         rotary_base=int(rope_theta_of(hf_config)),
+        vp_stage=vp_stage,
         **rope,
     )

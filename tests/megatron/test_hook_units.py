@@ -131,8 +131,10 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     def no_megatron() -> ParallelGroups:
         raise AssertionError("ParallelGroups.from_megatron() called below the constructor")
 
-    def fake_build_tasks(model: FakeModel, architecture: str, groups: ParallelGroups, **kw: Any):
-        return classify_tasks(model.param_tasks(), groups, **kw)
+    def fake_build_tasks(
+        chunks: list[FakeModel], architecture: str, groups: ParallelGroups, **kw: Any
+    ):
+        return classify_tasks(chunks[0].param_tasks(), groups, **kw)
 
     monkeypatch.setattr(ParallelGroups, "from_megatron", staticmethod(no_megatron))
     monkeypatch.setattr(hook_mod, "build_tasks", fake_build_tasks)
@@ -292,10 +294,36 @@ def test_sink_failure_is_an_owner_build_error_and_keeps_the_baseline(
     assert all(torch.equal(before[i], t) for i, t in hook.trackers.items())
 
 
-def test_pipeline_parallel_groups_are_refused(groups: ParallelGroups) -> None:
-    pp2 = dataclasses.replace(groups, pp=RankGroup(group=None, rank=0, size=2))
-    with pytest.raises(ValueError, match="pipeline parallel size 1"):
-        DCRHook([FakeModel()], _config(), groups=pp2)
+def test_a_hook_needs_model_chunks(groups: ParallelGroups) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        DCRHook([], _config(), groups=groups)
+
+
+def test_local_layer_indices_become_global_through_layer_number() -> None:
+    from megatron_dcr_hooks.conversion import global_layer_name
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number: int) -> None:
+            super().__init__()
+            self.layer_number = number  # 1-based and global, as megatron's TransformerLayer
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(5), Layer(6)])  # a chunk of layers 4-5
+
+    class Chunk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = Block()
+
+    root = Chunk()
+    assert global_layer_name(root, "decoder.layers.1.w") == "decoder.layers.5.w"
+    assert global_layer_name(root, "decoder.layers.0.w") == "decoder.layers.4.w"
+    assert global_layer_name(root, "embedding.word_embeddings.weight") == (
+        "embedding.word_embeddings.weight"
+    )
 
 
 def test_enable_dcr_passes_the_groups_and_wraps_the_step(groups: ParallelGroups) -> None:

@@ -1,6 +1,7 @@
 """Megatron rank program for tests/megatron/test_owner.py (torchrun, gloo).
 
-Loads the tiny fixture into a Megatron GPTModel, attaches DCR hooks in modes X, P and F, runs
+Loads the tiny fixture into Megatron GPTModel chunks (any parallel layout: TP, PP with virtual
+stages, CP, EP, SP, distributed optimizer), attaches DCR hooks in modes X, P and F, runs
 real optimizer steps, builds the deltas, and writes every rank's payloads to a directory. Rank 0
 then checks them against the bridge's full HF export: applied to the v0 export they give the v1
 export bit for bit (every tensor), for every mode; no destination is emitted twice; a step-less
@@ -17,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dcr_tools.trainers.trainer import Trainer, start
+from dcr_tools.trainers.model import ParallelLayout
+from dcr_tools.trainers.trainer import Trainer, start_chunks
 
 
 def main() -> None:
@@ -25,14 +27,27 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline stage")
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP > 1)")
     ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--overlap-param-gather", action="store_true", help="lazy parameter all-gather")
+    ap.add_argument(
+        "--check-skip", action="store_true", help="a non-finite step must publish nothing"
+    )
     ap.add_argument("--force-residual", default="")
     ap.add_argument("--dir", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--save-exports", default="", help="rank 0 writes the v0/v1 exports here")
     args = ap.parse_args()
 
-    cfg, model, _ = start(args.ckpt, args.tp, args.ep)
+    layout = ParallelLayout(
+        tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, sp=args.sp,
+        expert_tp=args.etp,
+    )  # fmt: skip
+    cfg, model, _ = start_chunks(args.ckpt, layout)
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
@@ -42,7 +57,14 @@ def main() -> None:
 
     rank = dist.get_rank()
     mtype = architecture_of(cfg)
-    trainer = Trainer(model, cfg, distributed_optimizer=args.distributed_optimizer, lr=3e-4)
+    trainer = Trainer(
+        model,
+        cfg,
+        distributed_optimizer=args.distributed_optimizer or args.overlap_param_gather,
+        lr=3e-4,
+        overlap_param_gather=args.overlap_param_gather,
+        loss_scale=1.0 if args.check_skip else None,  # makes the optimizer check for NaN
+    )
     opt = trainer.opt
     force = tuple(x for x in args.force_residual.split(",") if x)
     common = {
@@ -51,20 +73,29 @@ def main() -> None:
         "wrap_step": False,
         "force_residual": force,
     }
-    hooks = {m: DCRHook([model], DCRConfig(mode=m, **common)) for m in ("P", "F")}
+    chunks = trainer.chunks  # DDP-wrapped, as a Megatron training loop holds them
+    hooks = {m: DCRHook(chunks, DCRConfig(mode=m, **common)) for m in ("P", "F")}
     # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
-    hooks["X"] = enable_dcr([model], opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
+    hooks["X"] = enable_dcr(chunks, opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
     v0 = export_hf_weights(model, mtype)
 
     def train_step(step: int) -> None:
         trainer.step(step)  # opt.step is wrapped: hook X builds its delta after the step
 
+    def export() -> dict:
+        """The oracle: the bridge's export of the updated parameters. With a lazy parameter
+        all-gather the oracle finishes it first (the hooks above built before this)."""
+        if args.overlap_param_gather:
+            for c in trainer.chunks:
+                c.start_param_sync(force_sync=True)
+        return export_hf_weights(model, mtype)
+
     train_step(0)
-    v1 = export_hf_weights(model, mtype)
     reports = {"X": hooks["X"].last_report}
     assert reports["X"] is not None and reports["X"].version == 1
     for m in ("P", "F"):
         reports[m] = hooks[m].build(1, 0)
+    v1 = export()
     out = Path(args.dir)
 
     def dump(tag: str, payloads: list[bytes]) -> None:
@@ -87,12 +118,22 @@ def main() -> None:
     # v1 -> v2: an attempt whose payloads are half applied, then an overwrite retry
     hx = hooks["X"]
     train_step(1)  # hook X built attempt 0 of version 2
-    v2 = export_hf_weights(model, mtype)
+    v2 = export()
     dump("v2_attempt0", hx.payloads)
     hx.payloads.clear()
     hx.abort()
     retry = hx.build(2, 1, retry=True)
     dump("v2_retry", hx.payloads)
+    hx.payloads.clear()
+    skip: dict = {}
+    if args.check_skip:
+        hx.commit()
+        before = hx.last_report
+        skip["ok"] = trainer.skipped_step(2)  # wrapped step: nothing may be built
+        skip["payloads"] = len(hx.payloads)
+        skip["built"] = hx.last_report is not before
+        after = export()
+        skip["params_unchanged"] = all(bits_equal(after[n], v2[n]) for n in v2)
     info = {m: {**h.report(), "build": vars(reports[m])} for m, h in hooks.items()}
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, info)  # test harness only: small plain dicts
@@ -111,6 +152,7 @@ def main() -> None:
         result: dict = {
             "ranks": infos,
             "quiet_items": int(quiet_items[0]),
+            "skip": skip,
             "retry_overwrite_only": None,
         }
         for m in ("X", "P", "F"):
