@@ -33,15 +33,14 @@ Plain hook (no Bridge): loops that call the optimizer themselves (Megatron-LM's
 after loading the weights the engines hold, and ``callback.after_optimizer_step(skipped=not
 update_successful)`` after every ``optimizer.step()``.
 
-Before a build the callback forces the parameter all-gather of Megatron DDP chunks that
-overlap it with the next forward (``ddp_config.overlap_param_gather``): otherwise the detector
-would read stale parameters (docs/protocol.md).
+Megatron DDP chunks that overlap the parameter all-gather with the next forward
+(``ddp_config.overlap_param_gather``) are synced by the hook before every build (hook.py);
+otherwise the detector would read stale parameters (docs/parallel-layouts.md).
 
 Limitations:
 1. The callback does not wrap ``optimizer.step``: ``config.wrap_step`` is ignored (the events
    are the step hook).
-2. One model chunk, PP=1 (the hook's limits).
-3. Served mode is synchronous RL: training waits for the coordinator after every successful
+2. Served mode is synchronous RL: training waits for the coordinator after every successful
    step until it sends ``stop``.
 """
 
@@ -123,7 +122,6 @@ class DCRCallback:
             log.info("dcr: optimizer step skipped, nothing published")
             return None
         self.steps += 1
-        self._sync_params()
         if self.service is not None:
             self._serve()
             self.built.append(self.hook.committed_version)
@@ -132,12 +130,6 @@ class DCRCallback:
         assert report is not None  # after_step always builds
         self.built.append(report.version)
         return report
-
-    def _sync_params(self) -> None:
-        for chunk in self._chunks:
-            ddp_config = getattr(chunk, "ddp_config", None)
-            if getattr(ddp_config, "overlap_param_gather", False):
-                chunk.start_param_sync(force_sync=True)
 
     def _serve(self) -> None:
         from megatron_dcr_hooks.service import OwnerService

@@ -402,7 +402,7 @@ def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None
 
     cb_mod = import_bridge_module("megatron.bridge.training.callbacks")
     model = FakeModel()
-    # a DDP chunk that overlaps the param all-gather with the next forward: forced before builds
+    # a DDP chunk that overlaps the param all-gather with the next forward: the hook forces it
     synced: list[bool] = []
     model.ddp_config = types.SimpleNamespace(overlap_param_gather=True)  # type: ignore[attr-defined]
     model.start_param_sync = lambda force_sync=False: synced.append(force_sync)  # type: ignore[attr-defined]
@@ -437,7 +437,7 @@ def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None
     fire("on_train_step_start")
     fire("on_train_step_end", skipped_iter=True)  # refused update: weights unchanged
     assert sent == [] and dcr.skipped_steps == 1 and dcr.built == [1]
-    assert synced == [True]  # once, for the successful step
+    assert synced == [True, True]  # by the hook: at attach and before the one build
     model.perturb(6)
     assert dcr.after_optimizer_step(skipped=False) is not None  # the plain hook: same object
     assert dcr.built == [1, 2] and dcr.steps == 2 and sent
