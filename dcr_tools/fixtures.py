@@ -183,9 +183,15 @@ def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def make_weights(spec: TinyModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic bf16 weights for `spec`: a per-tensor generator seeded from (seed, index)."""
+    """Deterministic bf16 weights for `spec` (`random_weights` of its canonical shapes)."""
+    return random_weights(canonical_shapes(spec), seed)
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic bf16 weights: a per-tensor generator seeded from (seed, index); norms
+    1 +- noise, the rest normal with std 0.02."""
     out: dict[str, torch.Tensor] = {}
-    for idx, (name, shape) in enumerate(canonical_shapes(spec).items()):
+    for idx, (name, shape) in enumerate(shapes.items()):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + idx)
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
@@ -353,14 +359,7 @@ def write_tiny_mla_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(MLA_CONFIG, indent=2, sort_keys=True) + "\n")
-    weights: dict[str, torch.Tensor] = {}
-    for idx, (name, shape) in enumerate(mla_shapes(MLA_CONFIG).items()):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + idx)
-        if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        else:
-            t = 0.02 * torch.randn(shape, generator=gen)
-        weights[name] = t.to(torch.bfloat16).contiguous()
+    weights = random_weights(mla_shapes(MLA_CONFIG), seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _build_tokenizer(MLA_CONFIG["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
