@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shared_codec.checkpoint import tensor_digest
+from vllm_dcr_plugin.intercept import written_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class _SourceMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        for t in _mutated(func, args, kwargs):
+        for t in written_tensors(func, args, kwargs):
             k = _key(t)
             if k in self.models and k not in self.before_write:
                 self.before_write[k] = tensor_digest(self.models[k])
@@ -168,25 +169,14 @@ class _SourceMode(TorchDispatchMode):
                 self.writer[k] = self.unit
             elif k:  # a view of an input (a write into it is a mutated argument, below)
                 self.sources.setdefault(k, set()).update(src)
-        for t in _mutated(func, args, kwargs):  # the schema's written arguments (copy_, out=)
+        for t in written_tensors(
+            func, args, kwargs
+        ):  # the schema's written arguments (copy_, out=)
             k = _key(t)
             if k:
                 self.sources.setdefault(k, set()).update(src)
                 self.writer[k] = self.unit
         return out
-
-
-def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensor arguments `func` writes, from its schema (the version counter moves only
-    after the dispatch mode returns)."""
-    out: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return out
 
 
 def unit_targets(model: torch.nn.Module) -> list[tuple[Any, Unit]]:
