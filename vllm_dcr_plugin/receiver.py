@@ -316,8 +316,12 @@ class Receiver:
 
         checks = PlanChecks()  # each planned parameter resolved and checked once per fetch
 
-        def part(final: bool) -> None:  # the tail of a pipelined fetch is never killed
-            left = armed.remaining(sum(a.items for a in acks), kill=not final)
+        def part(final: bool) -> None:
+            # a kill fires in the tail only before its item count (not once the attempt is in):
+            # when everything arrived together, the tail is the whole apply
+            done = sum(a.items for a in acks)
+            kill = armed.kill_after_items
+            left = armed.remaining(done, kill=not final or (kill is not None and kill > done))
             acks.append(self._metered(attempt, verify, left, final=final, checks=checks))
 
         try:
