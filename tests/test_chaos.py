@@ -354,6 +354,21 @@ def test_s3_endpoint_restarted_empty_fails_closed(chaos: ChaosCluster) -> None:
     _timed("S3 endpoint restarted empty", t0)
 
 
+def _refit_in_thread(coord: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``coord.refit()`` in a thread; the box gets ``res`` or the ``error`` it raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["res"] = coord.refit()
+        except Exception as e:  # the caller asserts on it
+            box["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, box
+
+
 # -- relay root killed mid-attempt ----------------------------------------------------------------
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("chaos", ["relay"], indirect=True)
@@ -371,18 +386,9 @@ def test_relay_root_killed_mid_attempt(chaos: ChaosCluster) -> None:
     v = c.committed().version + 1
     c.train()
     coord = c.coordinator()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["res"] = coord.refit()
-        except Exception as e:  # asserted below
-            box["error"] = e
-
     os.kill(node.pid, signal.SIGSTOP)
     try:
-        th = threading.Thread(target=run)
-        th.start()
+        th, box = _refit_in_thread(coord)
         time.sleep(3.0)  # the root holds attempt 0: payloads queued, manifest pending
         os.killpg(root.pid, signal.SIGKILL)
         root.wait(timeout=30)
@@ -424,17 +430,8 @@ def test_trainer_rank_killed_mid_build(chaos: ChaosCluster) -> None:
     c.train()
     coord = c.coordinator(owners=RemoteOwners(c.owners.endpoint, timeout_s=30))
     rank1 = c.trainer_rank(1)
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["res"] = coord.refit()
-        except Exception as e:  # asserted below
-            box["error"] = e
-
     rank1.send_signal(signal.SIGSTOP)
-    th = threading.Thread(target=run)
-    th.start()
+    th, box = _refit_in_thread(coord)
     time.sleep(3.0)  # rank 0 is in the build, waiting for rank 1 in a collective
     rank1.send_signal(signal.SIGKILL)
     th.join(timeout=800)
