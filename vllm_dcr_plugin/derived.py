@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shared_codec.checkpoint import tensor_digest
-from vllm_dcr_plugin.intercept import written_tensors
+from vllm_dcr_plugin.intercept import storage_key, written_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _key(t: torch.Tensor) -> int:
     if not t.numel():
         return 0
     try:
-        return int(t.untyped_storage().data_ptr())
+        return storage_key(t)
     except (RuntimeError, NotImplementedError):  # a tensor subclass without plain storage
         return 0
 
@@ -228,15 +228,17 @@ def trace(
 ) -> DerivedTable:
     """Run the post-load `step` of `model` and return what it derived (module docstring).
     `targets`: the post-load units (default: vLLM's, `unit_targets`)."""
-    before = {path: (id(t), _key(t), t._version) for path, t in model_tensors(model)}
-    sources: dict[int, set[str]] = {}
-    models: dict[int, torch.Tensor] = {}
-    first: dict[int, str] = {}
+    before: dict[str, tuple[int, int, int]] = {}
+    sources: dict[int, set[str]] = {}  # storage -> the model tensors on it
+    models: dict[int, torch.Tensor] = {}  # storage -> the first model tensor on it
+    first: dict[int, str] = {}  # storage -> that tensor's path
     for path, t in model_tensors(model):
-        if _key(t):
-            sources.setdefault(_key(t), set()).add(path)
-            models.setdefault(_key(t), t)
-            first.setdefault(_key(t), path)
+        k = _key(t)
+        before[path] = (id(t), k, t._version)
+        if k:
+            sources.setdefault(k, set()).add(path)
+            models.setdefault(k, t)
+            first.setdefault(k, path)
     existing = set(sources)
     mode = _SourceMode(sources, models)
     restore = _mark_units(unit_targets(model) if targets is None else targets, mode)
