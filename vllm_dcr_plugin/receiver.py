@@ -183,17 +183,17 @@ class Receiver:
             "refused": len(refused),
         }
 
-    def _rederive(self, names: set[str] | None) -> int:
-        """Re-run the post-load units fed by `names` (all of them for None); returns how many."""
+    def _rederive(self, names: set[str] | None) -> None:
+        """Re-run the post-load units fed by `names` (all of them for None). A pipelined fetch
+        re-runs them after each part that touches their tensors."""
         table = derived.table_for(self.model)
         if table is None or not self.rederive_units:
-            return 0
+            return
         units: set[derived.Unit] = set()
         for name, us in self.rederive_units.items():
             if names is None or name in names:
                 units |= us
         derived.rederive(self.model, units, table.act_dtype)
-        return len(units)
 
     def _plan_report(self) -> dict[str, Any]:
         plan = self.plan or PlacementPlan()
