@@ -47,6 +47,29 @@ def test_analyse_growth_after_warmup_and_pass() -> None:
     assert "grows" in text and "NO" in text and "6.0%" in text
 
 
+def test_endpoint_rows_judge_only_stored_bytes() -> None:
+    """The test S3 endpoint (moto) is not a DCR process: its memory may grow without failing
+    the soak, the bytes it stores (DCR's retention) may not."""
+    grows = [100.0, 100.0, 100.0, 120.0]
+    run = _run({"moto": grows, "moto/python": grows})
+    for s in run["samples"]:
+        s["rows"]["moto/python"]["disk_kib"] = 0.0  # disk is on the endpoint's top row only
+    res = analyse(run, warmup=10, max_growth=5.0)
+    assert not res["rows"]["moto"]["pass"] and not res["flat"]  # moto's disk_kib grew 20 %
+    assert not res["rows"]["moto"]["metrics"]["disk_kib"]["pass"]
+    assert res["rows"]["moto"]["metrics"]["disk_kib"]["judged"]
+    assert res["rows"]["moto/python"]["pass"]  # a child holds no disk: nothing judged grew
+    run = _run({"moto": grows, "coordinator": grows})
+    for s in run["samples"]:
+        s["rows"]["moto"]["disk_kib"] = 64.0
+    res = analyse(run, warmup=10, max_growth=5.0)
+    assert res["rows"]["moto"]["pass"] and not res["rows"]["coordinator"]["pass"]
+    rss = res["rows"]["moto"]["metrics"]["rss_mib"]
+    assert rss["growth_pct"] == pytest.approx(20.0) and not rss["judged"]
+    text = table("s3", res)
+    assert "20.0*" in text and "reported, not judged" in text
+
+
 def test_analyse_missing_row_and_refit_checks_fail() -> None:
     run = _run({"a": [1.0, 1.0, 1.0, 1.0]})
     del run["samples"][-1]["rows"]["a"]  # the process vanished: growth unknown, not a pass
