@@ -118,6 +118,12 @@ def ranks(worker: Any) -> dict[str, int]:
     }
 
 
+def gate_state(worker: Any) -> dict[str, Any]:
+    """What the request gate sees: requests holding state on the worker, and the pause flag."""
+    requests = getattr(getattr(worker, "model_runner", None), "requests", None) or {}
+    return {"requests": len(requests), "paused": paused()}
+
+
 def gate(worker: Any) -> str | None:
     """None when applying is allowed on this worker, else why the request gate is closed."""
     requests = getattr(getattr(worker, "model_runner", None), "requests", None) or {}

@@ -351,6 +351,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             closed = dcr_worker.gate(self._worker())
             if closed:  # refuse before fetching: nothing of this attempt could be applied
                 raise ProtocolError(f"request gate closed for apply: {closed}")
+            gate_seen = dcr_worker.gate_state(self._worker())
             self.pending, self.reported_digest = (info.version, info.attempt), None
             opts = {"verify": info.verify} if info.pipelined else None
             fetched = receiver.fetch(
@@ -365,7 +366,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
                 fetched.pop("ack") if info.pipelined else receiver.apply(info.attempt, info.verify)
             )
             out: dict[str, Any] = {"ok": bool(ack.get("ok")), "error": ack.get("error")}
-            out.update(ack=ack, fetch=fetched, seconds=time.perf_counter() - t0)
+            out.update(ack=ack, fetch=fetched, gate=gate_seen, seconds=time.perf_counter() - t0)
             if out["ok"] and info.digest:
                 self.reported_digest = out["digest"] = receiver.digest()["digest"]
             self._report(step, out)
