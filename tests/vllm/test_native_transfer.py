@@ -11,6 +11,7 @@ Megatron job; tests/test_native_megatron.py runs the same engine against the rea
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -276,8 +277,17 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     for t in threads:
         t.start()
     _wait_running(server, started)
-    with pytest.raises(RefitFailed, match=r"request gate closed .*\d request\(s\) still hold"):
-        gate.refit()
+    t_seen = time.monotonic()
+    try:
+        res = gate.refit()
+    except RefitFailed as e:
+        assert re.search(r"request gate closed .*\d request\(s\) still hold", str(e)), e
+    else:  # say what the worker's gate saw and when
+        (rank0,) = res.attempts[0].acks["engine0"]["ranks"]
+        pytest.fail(
+            f"applied {time.monotonic() - t_seen:.1f} s after requests were seen running; "
+            f"the gate saw {rank0.get('gate')}; streams so far: {[len(d[0]) for d in done]}"
+        )
     # sync RL's other way out: pause(abort) ends the rollout, then resume
     server.post("/pause", mode="abort")
     for t in threads:
@@ -307,6 +317,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         res = engine.send_weights()  # (first round: the retry of the refused attempt)
         version += 1
         assert res.version == version and res.attempts[-1].ok
+        (seen,) = [r["gate"] for r in res.attempts[-1].acks["engine0"]["ranks"]]
         server.post("/resume")
         t.join(600)
         tokens, final = done[0]
@@ -319,6 +330,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
             old = after_resume[0][0]
             continue
         assert [s["version"] for s in spans] == [str(version - 1), str(version)], spans
+        assert seen == {"requests": 1, "paused": True}  # applied under the request, paused
         switch = spans[0]["end"]
         assert 0 < switch == spans[1]["start"] < 400 and spans[1]["end"] == 2000
         assert tokens[:switch] == old[:switch]  # before the pause: the old engine's tokens
