@@ -26,7 +26,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-trainer test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-gpu test-trainer test-trainer311 lint demo clean
 
 setup: $(STAMP) setup-trainer setup-browser
 
@@ -137,6 +137,13 @@ test-trainer: setup
 
 test-slow: setup
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
+
+# The GPU lane: only the tests marked gpu (the cuda cases of tests/test_gpu_lane.py). Without
+# CUDA it says so and pytest lists each as skipped with the reason; on a device machine without
+# this environment, scripts/gpu_lane.sh runs the same tests plus a short timing.
+test-gpu: setup
+	@$(VPY) -c "import torch; ok = torch.cuda.is_available(); print('[test-gpu] CUDA device:', torch.cuda.get_device_name(0) if ok else 'none (torch.cuda.is_available() is False, torch ' + torch.__version__ + '): every gpu test below is SKIPPED, nothing ran on a GPU')"
+	$(VPY) -m pytest -m gpu -ra $(PYTEST_ARGS)
 
 # The Python 3.11 lane: the owner tests (every test that starts trainer ranks) with the ranks on
 # the rollout environment's megatron-core 0.16.1 / megatron-bridge 0.3.1 instead of .venv-trainer.

@@ -44,7 +44,9 @@ updated values, as Megatron-LM does before saving a checkpoint; the next forward
 the parameters already in sync.
 
 Limitations:
-1. Trackers are CPU copies; change detection runs on the parameters' device.
+1. Trackers are host copies, and so is detection: each build, candidate verify and commit
+   copies every owned shard to host memory (on a GPU: one device -> host copy of the owned
+   shards) and the compiled scan (shared_codec.kernels) compares it there with the tracker.
 2. The lazy gather is finished only on chunks given DDP-wrapped (``start_param_sync``); pass
    the chunks as the training loop holds them, not the bare GPTModels.
 """

@@ -215,8 +215,10 @@ class ApplyHandler:
                     f"{slot.item.name}: cannot find active positions of a {src.dtype} copy into "
                     f"{param} (placeholder not recognisable after the loader's transform)"
                 )
-            slot.masks[key] = mask
-        values = src.to(dest.dtype)
+            # on the destination's device: a transformed source may be a host temporary
+            # (scratch lives in host memory) copied into a device parameter
+            slot.masks[key] = mask = mask.to(dest.device)
+        values = src.to(device=dest.device, dtype=dest.dtype)
         dest[mask] = values[mask]
         n = int(mask.sum())
         slot.result.elements_written += n
