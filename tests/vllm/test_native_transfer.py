@@ -34,6 +34,7 @@ pytestmark = pytest.mark.vllm
 
 VERSIONS = 6
 POSITIONS = 8192
+LONG = 2000  # the async-RL request: long enough for a pause to land while it runs
 
 
 class Server:
@@ -59,6 +60,9 @@ class Server:
             extra_args=[
                 "--weight-transfer-config", json.dumps({"backend": "dcr"}),
                 "--enable-scale-out", "--max-model-len", str(POSITIONS),
+                # one sequence at a time: requests queue behind the running one, so the engine
+                # holds request state for as long as the queue lasts (the gate case below)
+                "--max-num-seqs", "1",
             ],
         )  # fmt: skip
         self.url = self.proc.start(timeout_s=420)
@@ -245,17 +249,13 @@ def _wait_running(server: Server, started: threading.Event, timeout_s: float = 1
     assert started.is_set(), f"no request running in the engine after {timeout_s} s"
 
 
-# Slow lane until its timing is made robust: on 2 cores its request-gate case twice applied
-# while four 8000-token requests were running (DID NOT RAISE, 2026-12-04), after the stream /
-# /metrics signals it waits on proved unreliable under a starved API server (README "Tests").
-@pytest.mark.slow
 def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     engine, _, _ = trainer(server, tmp_path)
     assert server.weight_version() == "0"
     reference: list = []  # the old (v0) engine's greedy tokens for the request used below
-    _generate(server, 400, threading.Event(), reference)
+    _generate(server, LONG, threading.Event(), reference)
     old = reference[0][0]
-    assert len(old) == 400
+    assert len(old) == LONG
 
     # the gate: a request runs and generation is not paused -> the apply is refused before any
     # write (the request needs several seconds of engine time; the refusal names it)
@@ -267,8 +267,9 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         transport=engine.coordinator.transport,
     )
     before = server.checksums()
-    # four long requests: together ~55 s of engine time on 2 cores, so they still hold state
-    # when the apply's gate is checked even if the streams' first tokens arrive late
+    # four long requests, run one after the other (--max-num-seqs 1): the engine holds request
+    # state for four requests' worth of decoding, so the apply's gate meets them even when the
+    # streams' first tokens (or the gauge) reach this process late on a starved API server
     started, done = threading.Event(), []
     threads = [threading.Thread(target=_generate, args=(server, 8000, started, done))]
     threads += [threading.Thread(target=_generate, args=(server, 8000, threading.Event(), done))]
@@ -309,7 +310,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     version = 0
     for _ in range(3):
         started, done = threading.Event(), []
-        t = threading.Thread(target=_generate, args=(server, 2000, started, done))
+        t = threading.Thread(target=_generate, args=(server, LONG, started, done))
         t.start()
         _wait_running(server, started)
         server.post("/pause", mode="keep")
@@ -321,18 +322,18 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         server.post("/resume")
         t.join(600)
         tokens, final = done[0]
-        assert len(tokens) == 2000 and final["finish_reason"] == "length"
+        assert len(tokens) == LONG and final["finish_reason"] == "length"
         spans = final["weight_versions"]
         after_resume: list = []  # a request sent after the resume runs on the new weights
-        _generate(server, 400, threading.Event(), after_resume)
+        _generate(server, LONG, threading.Event(), after_resume)
         if [s["version"] for s in spans] == [str(version - 1)]:  # ended before the pause
-            assert tokens[:400] == old
+            assert tokens == old
             old = after_resume[0][0]
             continue
         assert [s["version"] for s in spans] == [str(version - 1), str(version)], spans
         assert seen == {"requests": 1, "paused": True}  # applied under the request, paused
         switch = spans[0]["end"]
-        assert 0 < switch == spans[1]["start"] < 400 and spans[1]["end"] == 2000
+        assert 0 < switch == spans[1]["start"] < LONG and spans[1]["end"] == LONG
         assert tokens[:switch] == old[:switch]  # before the pause: the old engine's tokens
         break
     else:
@@ -341,7 +342,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     # the oracle: a dense load of the new version gives the same checksums and greedy tokens
     assert dense_checksums(server, engine, version) == after
     dense: list = []
-    _generate(server, 400, threading.Event(), dense)
+    _generate(server, LONG, threading.Event(), dense)
     assert after_resume[0][0] == dense[0][0] != old
 
     # sync RL: pause(wait) drains, refit, resume; new requests run on the next version
