@@ -17,9 +17,11 @@ Subcommands (each has ``--help``):
 - ``dcr bench affine [--json PATH]``: affine share of canonical weight bytes per verified family.
 - ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
   payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
-- ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G] [--nodes N]
-  [--bucket-mib M]``: end-to-end refits (pipelined and sequential) vs the full-checkpoint
-  reference over the same throttled links.
+- ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G[,G...]] [--rates R[,R...]]
+  [--repeats N] [--pin] [--trainer-tp T] [--nodes N] [--bucket-mib M]``: end-to-end refits
+  (pipelined and sequential) vs the full-checkpoint reference over the same throttled links,
+  interleaved, a warm-up then N rounds (median and min-max); ``--pin``: two-cluster emulation
+  (trainer and engines on separate CPUs).
 - ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
   vLLM; imported only by this subcommand).
 
@@ -86,7 +88,30 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
 def cmd_bench_refit(args: argparse.Namespace) -> int:
     from dcr_tools.bench import refit as bench_refit  # no vllm import: engines run as `vllm serve`
 
-    return bench_refit.main(args.json, args.size, args.gbit, args.nodes, args.bucket_mib)
+    return bench_refit.main(
+        args.json,
+        args.size,
+        args.gbit,
+        args.nodes,
+        args.bucket_mib,
+        repeats=args.repeats,
+        pin=args.pin,
+        trainer_tp=args.trainer_tp,
+        rates=tuple(r / 100 for r in args.rates),
+    )
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    """``"1,0.25"`` -> ``(1.0, 0.25)`` (argparse type of comma-separated positive numbers)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"need one or more positive numbers, got {text!r}")
+    return values
 
 
 def cmd_bench_construct(args: argparse.Namespace) -> int:
@@ -358,10 +383,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_affine)
 
-    p = bsub.add_parser("refit", help="end-to-end refit vs full-checkpoint transfer, same link")
+    p = bsub.add_parser(
+        "refit",
+        help="end-to-end refit vs full-checkpoint transfer, same link, repeated",
+        description="End-to-end DCR refits vs the full-checkpoint reference (docs/benchmarks.md): "
+        "per bandwidth a warm-up per mode, then --repeats rounds per rate (a pipelined and a "
+        "sequential refit, each followed by its reference, interleaved); median [min-max] of "
+        "latency, breakdown, reference, speedup, latency / max(construction, V_payload / "
+        "bandwidth) and speedup / min(checkpoint / V_payload, reference / construction).",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--size", choices=("medium", "small"), default="medium")
-    p.add_argument("--gbit", type=float, default=1.0, help="link bandwidth (default 1 Gbit/s)")
+    p.add_argument(
+        "--gbit",
+        type=_floats,
+        default=(1.0,),
+        help="link bandwidths in Gbit/s, comma-separated, run one after the other (default 1; "
+        "e.g. 1,0.25)",
+    )
+    p.add_argument(
+        "--rates",
+        type=_floats,
+        default=(1.0, 3.0, 5.0),
+        help="change rates in percent, comma-separated (default 1,3,5)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds per rate after one warm-up per mode; each round is a pipelined and a "
+        "sequential refit, each on a fresh change and followed by its reference (default 5)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="two-cluster emulation: the trainer job on one half of the CPUs, every engine "
+        "process on the other (read back and recorded in the JSON)",
+    )
+    p.add_argument(
+        "--trainer-tp",
+        type=int,
+        default=None,
+        help="trainer ranks (TP); default 1 with --pin (one core), else 2",
+    )
     p.add_argument("--nodes", type=int, default=1, help="rollout engines (default 1)")
     p.add_argument(
         "--bucket-mib",

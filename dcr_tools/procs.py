@@ -172,15 +172,20 @@ def start_rl_job(
     *extra: str,
     log: Path,
     env: dict[str, str] | None = None,
+    tp: int = 2,
+    cpus: set[int] | None = None,
 ) -> subprocess.Popen:
-    """Start the 2-rank RL trainer job (`dcr_tools.trainers.rl_job`, TP=2) serving the owner
-    service at `endpoint`, in its own process group, its output appended to `log`.
-    `transport_args`: ``["--store", SPEC_JSON]`` or the relay arguments; `extra`: more job
-    arguments (``--lr``, ``--bucket-bytes`` ...)."""
+    """Start the RL trainer job (`dcr_tools.trainers.rl_job`, `tp` ranks, TP=`tp`, default 2)
+    serving the owner service at `endpoint`, in its own process group, its output appended to
+    `log`. `transport_args`: ``["--store", SPEC_JSON]`` or the relay arguments; `extra`: more
+    job arguments (``--lr``, ``--bucket-bytes`` ...); `cpus`: run the whole job (launcher and
+    ranks inherit it) on these CPUs only (``taskset``; check with `tree_affinity`)."""
     cmd = torchrun_cmd(
         "dcr_tools.trainers.rl_job",
-        ["--ckpt", str(ckpt), "--tp", "2", "--endpoint", endpoint, *transport_args, *extra],
+        ["--ckpt", str(ckpt), "--tp", str(tp), "--endpoint", endpoint, *transport_args, *extra],
+        nproc=tp,
     )
+    cmd = [*taskset_prefix(cpus), *cmd]
     with open(log, "ab") as log_f:  # the child keeps its own descriptor
         return subprocess.Popen(
             cmd,
@@ -190,6 +195,43 @@ def start_rl_job(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+
+
+def taskset_prefix(cpus: set[int] | None) -> list[str]:
+    """``["taskset", "-c", "0,1"]`` for `cpus` (the program and every child it starts inherit
+    the affinity), ``[]`` for None."""
+    if cpus is None:
+        return []
+    if not cpus:
+        raise ValueError("an empty CPU set")
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(cpus))]
+
+
+def tree_affinity(pid: int) -> list[dict[str, object]]:
+    """The CPU affinity of process `pid` and of all its descendants, read back from the kernel
+    (every thread's own mask: vLLM binds its OpenMP threads itself): one entry per process,
+    ``{"pid", "name", "cpus"}``, `cpus` the union of its threads' masks. Processes that exit
+    while being read are left out."""
+    import psutil
+
+    out: list[dict[str, object]] = []
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            cpus: set[int] = set()
+            for t in p.threads():
+                try:
+                    cpus |= os.sched_getaffinity(t.id)
+                except ProcessLookupError:
+                    continue
+            out.append({"pid": p.pid, "name": p.name(), "cpus": sorted(cpus)})
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return out
 
 
 def run_torchrun(
@@ -220,9 +262,14 @@ class ServeProcess:
         extra_args: list[str] | None = None,
         served_name: str = "policy",
         extension: bool = True,
+        cpus: set[int] | None = None,
     ) -> None:
         """`extension=False`: no ``--worker-extension-cls`` (engines reached only through
-        vLLM's weight-transfer API, e.g. with ``--weight-transfer-config``)."""
+        vLLM's weight-transfer API, e.g. with ``--weight-transfer-config``). `cpus`: run the
+        server and every process it starts (EngineCore, workers) on these CPUs only
+        (``taskset``; vLLM's own OpenMP binding must stay inside them, see
+        ``VLLM_CPU_OMP_THREADS_BIND``)."""
+        self.cpus = cpus
         self.model, self.port = str(model), int(port)
         self.log, self.env = Path(log), env
         self.extra_args = extra_args or []
@@ -239,6 +286,7 @@ class ServeProcess:
         self.stop()
         vllm_bin = Path(sys.executable).with_name("vllm")
         cmd = [
+            *taskset_prefix(self.cpus),
             str(vllm_bin) if vllm_bin.exists() else "vllm",
             "serve", self.model,
             "--host", "127.0.0.1", "--port", str(self.port),

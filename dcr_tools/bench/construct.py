@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dcr_tools.bench.stats import summarize
+
 REPEATS = 5  # timed runs after one warm-up, for builds and the read reference
 
 SIZES = {
@@ -102,15 +104,6 @@ def read_two_seconds(hook: Any) -> tuple[list[float], int]:
         if rep:
             times.append(time.perf_counter() - t0)
     return times, nbytes
-
-
-def _stats(runs: list[float]) -> dict[str, Any]:
-    return {
-        "median": float(np.median(runs)),
-        "min": float(min(runs)),
-        "max": float(max(runs)),
-        "runs": [float(x) for x in runs],
-    }
 
 
 def inject(model: torch.nn.Module, rate: float, seed: int) -> None:
@@ -193,7 +186,7 @@ def main() -> None:
                 if rep_i:
                     builds.append(torch.stack([mx[0], mx[1], sm[2], stats[1], stats[3]]))
             b = torch.stack(builds)
-            seconds = _stats(b[:, 0].tolist())
+            seconds = summarize(b[:, 0].tolist())
             row: dict[str, Any] = {
                 "rate": f"{round(rate * 100)}%",
                 "mode": mode,
@@ -206,9 +199,9 @@ def main() -> None:
                 "element_change_rate": rep.element_change_rate,
             }
             if read is not None and float(b[:, 1].max()) > 0:
-                detect = _stats(b[:, 1].tolist())  # slowest rank
-                own = _stats(b[:, 3].tolist())  # this rank (rank 0 reports)
-                ref = _stats(read[0])
+                detect = summarize(b[:, 1].tolist())  # slowest rank
+                own = summarize(b[:, 3].tolist())  # this rank (rank 0 reports)
+                ref = summarize(read[0])
                 scan = float(b[0, 4]) * 2 / own["median"]  # candidate + baseline bytes
                 row.update(
                     {

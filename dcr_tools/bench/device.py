@@ -28,14 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-def _stats(runs: list[float]) -> dict[str, Any]:
-    return {
-        "median": float(np.median(runs)),
-        "min": float(min(runs)),
-        "max": float(max(runs)),
-        "runs": [float(x) for x in runs],
-    }
+from dcr_tools.bench.stats import summarize
 
 
 def _timed(fn: Callable[[], Any], repeats: int, warmup: int, device: str) -> list[float]:
@@ -86,7 +79,7 @@ def run(
             items[Kind.OVERWRITE], geom, flat, geom, [], False
         ),
     }
-    rows = {name: _stats(_timed(fn, repeats, warmup, device)) for name, fn in ops.items()}
+    rows = {name: summarize(_timed(fn, repeats, warmup, device)) for name, fn in ops.items()}
     return {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
         "torch": torch.__version__,

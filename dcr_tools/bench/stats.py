@@ -1,0 +1,36 @@
+"""Repeat statistics shared by the benchmarks: every timed figure is reported as the median and
+the min-max of its timed runs (after a warm-up the caller discards), with the runs themselves.
+
+Limitations:
+1. A median of a handful of runs does not absorb a machine shared with other jobs; the min-max
+   spread is printed so that such a run shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def summarize(runs: Sequence[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "runs"}`` of `runs` (at least one value)."""
+    assert len(runs) > 0, "no runs to summarise"
+    return {
+        "median": float(np.median(runs)),
+        "min": float(min(runs)),
+        "max": float(max(runs)),
+        "runs": [float(x) for x in runs],
+    }
+
+
+def aggregate(runs: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> dict[str, float]:
+    """For each of `keys` over the per-repeat dicts `runs`: ``key`` = the median, ``key_min``
+    and ``key_max`` (a ratio is aggregated as the median of the per-repeat ratios, not as the
+    ratio of medians)."""
+    out: dict[str, float] = {}
+    for k in keys:
+        s = summarize([float(r[k]) for r in runs])
+        out[k], out[f"{k}_min"], out[f"{k}_max"] = s["median"], s["min"], s["max"]
+    return out
