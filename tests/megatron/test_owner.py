@@ -75,7 +75,7 @@ def _slow(case: tuple) -> Any:
 
 
 # id, kind, layers, ranks, worker args. Default lane: PP=2 and virtual stages on a dense and a
-# MoE family and the lazy parameter gather (~12-35 s each); the rest in the slow lane.
+# MoE family, the lazy parameter gather and CP=2 (~12-35 s each); the rest in the slow lane.
 LAYOUTS = [
     ("pp2", "qwen3", 2, 2, ["--pp", "2"]),
     ("vpp2", "qwen3", 4, 2, ["--pp", "2", "--vpp", "2"]),
