@@ -32,8 +32,8 @@ megatron-core's ``parallel_state`` or the default process group.
 
 Parallel layouts: TP, DP (with or without the distributed optimizer), EP/ETP, SP, and PP with
 any number of model chunks per rank (virtual stages); CP ranks count as data-parallel replicas
-(groups.py; not run here: megatron-core's CPU attention refuses CP). Each rank owns shards of its own
-pipeline stage only (conversion.py: other stages' parameters are remote tasks it converts
+(groups.py; run here with CP=2 in the process groups only, the CPU attention not split:
+docs/parallel-layouts.md). Each rank owns shards of its own pipeline stage only (conversion.py: other stages' parameters are remote tasks it converts
 collectively but never owns), so owned elements add up to the canonical element count.
 
 Lazily gathered parameters (distributed optimizer with ``overlap_param_gather``): the

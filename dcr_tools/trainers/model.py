@@ -16,6 +16,16 @@ Limitations:
    turns on sequence parallelism (megatron requires it; ``sp=True`` turns it on for dense
    models too) and every norm is ``cpu_compat.SPRMSNorm``.
 3. Fusions are off (CPU): bias-activation, softmax, RoPE, gradient-accumulation fusion.
+4. Context parallelism is in the process groups only, NOT in the attention: megatron-core's
+   local ``DotProductAttention`` refuses ``context_parallel_size > 1`` ("Context parallelism is
+   only supported by TEDotProductAttention!", megatron/core/transformer/dot_product_attention.py
+   lines 57-59 in 0.19.2 and in 0.16.1) and Transformer Engine does not run on CPU. With
+   ``cp > 1`` `ParallelLayout.initialize` builds megatron's groups with CP (DP x CP gradient
+   reduction in DDP, the distributed optimizer's DP x CP shards, DCR's holder groups all see
+   it), while the model is built with ``context_parallel_size=1`` and a CP group of this rank
+   alone (`model_process_groups`), so every CP rank runs the whole sequence of its DP rank's
+   batch instead of a slice of it. Parameters and gradients stay identical across CP ranks,
+   which is all the owner side depends on; the sequence split itself is not exercised.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ class ParallelLayout:
     pp: int = 1
     ep: int = 1
     vpp: int = 1  # model chunks per pipeline stage (virtual pipeline)
-    cp: int = 1
+    cp: int = 1  # context parallel: process groups only, not the attention (limitation 4)
     sp: bool = False  # sequence parallelism (forced on for MoE with TP > 1)
     expert_tp: int | None = None  # expert tensor parallel size; default: see `etp`
 
@@ -163,7 +173,8 @@ def transformer_config_from_hf(
             "tensor_model_parallel_size": layout.tp,
             "pipeline_model_parallel_size": layout.pp,
             "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
-            "context_parallel_size": layout.cp,
+            # CP is in the process groups only: the local attention refuses CP (limitation 4)
+            "context_parallel_size": 1,
             "expert_model_parallel_size": layout.ep,
             "sequence_parallel": layout.tp > 1 and (moe or layout.sp),
         }
@@ -199,6 +210,26 @@ def layer_spec(config: Any) -> Any:
     return spec
 
 
+def model_process_groups(layout: ParallelLayout) -> Any:
+    """The process groups the model itself gets: ``None`` (megatron's ``parallel_state``
+    groups) without context parallelism; with ``layout.cp > 1`` those groups with the context
+    parallel group (and TP x CP) replaced by this rank alone (TP), so the model never splits
+    the sequence (module docstring, limitation 4). Collective: every rank of the job calls it
+    once, at the same point (it creates one single-rank group per rank)."""
+    if layout.cp == 1:
+        return None
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    solo, _ = dist.new_subgroups(group_size=1)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    # init=False fields: dataclasses.replace refuses them, so set them on the fresh collection
+    groups.cp = solo
+    groups.tp_cp = ps.get_tensor_model_parallel_group()
+    return groups
+
+
 def build_gpt_chunks(hf_config: dict[str, Any], layout: ParallelLayout, **overrides: Any) -> list:
     """This rank's model chunks (one per virtual pipeline stage, ``layout.vpp``), each a GPTModel
     holding the layers megatron assigns to (pipeline rank, virtual stage); embedding on the
@@ -207,6 +238,7 @@ def build_gpt_chunks(hf_config: dict[str, Any], layout: ParallelLayout, **overri
     from megatron.core import parallel_state as ps
 
     config = transformer_config_from_hf(hf_config, layout, **overrides)
+    groups = model_process_groups(layout)
     chunks = []
     for vp in range(layout.vpp):
         stage = vp if layout.vpp > 1 else None
@@ -218,6 +250,7 @@ def build_gpt_chunks(hf_config: dict[str, Any], layout: ParallelLayout, **overri
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 vp_stage=stage,
+                pg_collection=groups,
             )
         )
     return chunks
@@ -231,13 +264,15 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    pg_collection: Any = None,
     **overrides: Any,
 ) -> Any:
     """A GPTModel for `hf_config` on this rank (parallel_state must be initialised): the whole
     model with PP=1, one pipeline chunk otherwise (`build_gpt_chunks`).
 
     Vocabulary is the HF vocabulary exactly (it must divide by TP); embeddings are tied iff the
-    bridge's provider says so (``tie_word_embeddings``).
+    bridge's provider says so (``tie_word_embeddings``). `pg_collection`: the model's process
+    groups; default `model_process_groups(layout)` (a collective call with ``cp > 1``).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import (
@@ -253,6 +288,8 @@ def build_gpt_model(
     vocab = int(settings["vocab_size"])
     if vocab % layout.tp:
         raise ValueError(f"vocab_size {vocab} must be divisible by TP={layout.tp}")
+    if pg_collection is None:
+        pg_collection = model_process_groups(layout)
     rope: dict[str, Any] = {}
     if settings.get("rope_scaling"):
         rope = {"rope_scaling": True, "rope_scaling_factor": settings["rope_scaling_factor"]}
@@ -277,5 +314,6 @@ def build_gpt_model(
         # read explicitly: a config without it would get the bridge's silent default base
         rotary_base=int(rope_theta_of(hf_config)),
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
         **rope,
     )

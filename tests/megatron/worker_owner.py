@@ -1,8 +1,9 @@
 """Megatron rank program for tests/megatron/test_owner.py (torchrun, gloo).
 
 Loads the tiny fixture into Megatron GPTModel chunks (any parallel layout: TP, PP with virtual
-stages, CP, EP, SP, distributed optimizer), attaches DCR hooks in modes X, P and F, runs
-real optimizer steps, builds the deltas, and writes every rank's payloads to a directory. Rank 0
+stages, EP, SP, distributed optimizer, and CP in the process groups only: the CPU model runs
+the whole sequence on every CP rank, dcr_tools/trainers/model.py limitation 4), attaches DCR
+hooks in modes X, P and F, runs real optimizer steps, builds the deltas, and writes every rank's payloads to a directory. Rank 0
 then checks them against the bridge's full HF export: applied to the v0 export they give the v1
 export bit for bit (every tensor), for every mode; no destination is emitted twice; a step-less
 build emits nothing; a partial attempt followed by an overwrite retry gives v2 exactly.
@@ -134,7 +135,21 @@ def main() -> None:
         skip["built"] = hx.last_report is not before
         after = export()
         skip["params_unchanged"] = all(bits_equal(after[n], v2[n]) for n in v2)
-    info = {m: {**h.report(), "build": vars(reports[m])} for m, h in hooks.items()}
+    info: dict = {m: {**h.report(), "build": vars(reports[m])} for m, h in hooks.items()}
+    from megatron.core import parallel_state as ps
+
+    # who sees context parallelism: megatron's groups, DDP's gradient reduction group, DCR's
+    # holder group, and the model's own CP group (1: the CPU attention never splits the
+    # sequence, dcr_tools/trainers/model.py limitation 4)
+    info["groups"] = {
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "dp_cp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "ddp_reduce": trainer.chunks[0].dp_cp_group.size(),
+        "dcr_holders": hooks["X"].groups.dp.size,
+        "model_cp": model[0].pg_collection.cp.size(),
+        "attention_cp": model[0].config.context_parallel_size,
+    }
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, info)  # test harness only: small plain dicts
     dist.barrier()
