@@ -317,11 +317,13 @@ class Receiver:
         checks = PlanChecks()  # each planned parameter resolved and checked once per fetch
 
         def part(final: bool) -> None:
-            # a kill fires in the tail only before its item count (not once the attempt is in):
-            # when everything arrived together, the tail is the whole apply
+            # a kill fires in the tail while its item count is not past (kill after K items
+            # with exactly K applied in earlier parts fires before the tail's first item; a tail
+            # with no items is the attempt already in: nothing fires); when everything arrived
+            # together, the tail is the whole apply
             done = sum(a.items for a in acks)
             kill = armed.kill_after_items
-            left = armed.remaining(done, kill=not final or (kill is not None and kill > done))
+            left = armed.remaining(done, kill=not final or (kill is not None and kill >= done))
             acks.append(self._metered(attempt, verify, left, final=final, checks=checks))
 
         try:
