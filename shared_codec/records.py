@@ -11,7 +11,7 @@ oracle for tests and the canonical-checkpoint path; receivers apply through vLLM
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Container, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -138,6 +138,25 @@ def diff_tensors(
     idx = np.flatnonzero(a != b).astype(np.int64, copy=False)
     vals = b[idx] if kind == Kind.OVERWRITE else (a[idx] ^ b[idx])
     return make_item(name, new.dtype, new.shape, owner, kind, idx, vals)
+
+
+def diff_checkpoints(
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    *,
+    kind: Kind = Kind.XOR,
+    overwrite: Container[str] = (),
+    owner: int = 0,
+) -> list[DeltaItem]:
+    """The non-empty items turning checkpoint `old` into `new`, by tensor name in sorted order:
+    `kind` for every tensor but those named in `overwrite` (always `Kind.OVERWRITE`)."""
+    items = []
+    for name in sorted(old):
+        k = Kind.OVERWRITE if name in overwrite else kind
+        item = diff_tensors(name, old[name], new[name], owner=owner, kind=k)
+        if item.count:
+            items.append(item)
+    return items
 
 
 def apply_item(tensor: torch.Tensor, item: DeltaItem) -> None:

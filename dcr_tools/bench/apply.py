@@ -60,7 +60,7 @@ def run(
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta
-    from shared_codec.records import Kind, diff_tensors
+    from shared_codec.records import diff_checkpoints
 
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
     dims = MEDIUM if size == "medium" else SMALL
@@ -106,12 +106,7 @@ def run(
         rpc("dcr_dense_load", str(path), 1)
         want = rpc("dcr_digest")["digest"]
         rpc("dcr_dense_load", str(v0), 0)
-        items = []
-        for name in sorted(ckpt0):
-            kind = Kind.OVERWRITE if name in no_xor else Kind.XOR
-            item = diff_tensors(name, ckpt0[name], new[name], owner=0, kind=kind)
-            if item.count:
-                items.append(item)
+        items = diff_checkpoints(ckpt0, new, overwrite=no_xor)
         meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
         payloads = encode_items(items, meta, BucketConfig())
         row: dict[str, Any] = {

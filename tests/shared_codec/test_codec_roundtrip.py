@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from shared_codec.buckets import BucketConfig, BucketEncoder, encode_items
 from shared_codec.dtypes import BY_NAME
 from shared_codec.format import PayloadMeta, decode_payload, encode_payload, peek_header
-from shared_codec.records import DeltaItem, Kind, apply_items, diff_tensors, make_item
+from shared_codec.records import (
+    DeltaItem,
+    Kind,
+    apply_items,
+    diff_checkpoints,
+    diff_tensors,
+    make_item,
+)
 
 DTYPES = sorted(BY_NAME)
 
@@ -159,3 +166,22 @@ def test_make_item_rejects_inconsistent_records() -> None:
         encode_payload(
             [make_item("w", "int8", (4,), 1, Kind.XOR, np.array([1]), np.zeros(1, np.uint8))], META
         )
+
+
+def test_diff_checkpoints_sorted_nonempty_with_overwrite_names() -> None:
+    g = torch.Generator().manual_seed(3)
+    old = {n: torch.randn(16, generator=g).to(torch.bfloat16) for n in ("b", "a", "same", "c")}
+    new = {n: t.clone() for n, t in old.items()}
+    for n in ("a", "b", "c"):
+        new[n][::3] += 1
+    items = diff_checkpoints(old, new, overwrite={"c"}, owner=2)
+    assert [(i.name, i.kind, i.owner) for i in items] == [
+        ("a", Kind.XOR, 2),
+        ("b", Kind.XOR, 2),
+        ("c", Kind.OVERWRITE, 2),
+    ]  # "same" has no changed bits: no item
+    tensors = {n: t.clone() for n, t in old.items()}
+    apply_items(tensors, items)
+    for n in old:
+        assert torch.equal(tensors[n].view(torch.int16), new[n].view(torch.int16))
+    assert all(i.kind == Kind.OVERWRITE for i in diff_checkpoints(old, new, kind=Kind.OVERWRITE))

@@ -29,7 +29,7 @@ def main() -> None:
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.errors import EngineUnreachable
     from shared_codec.format import PayloadMeta
-    from shared_codec.records import Kind, diff_tensors
+    from shared_codec.records import Kind, diff_checkpoints
     from tests.vllm._engine import start_llm
     from vllm_dcr_plugin import faults
     from vllm_dcr_plugin.client import DCRClient
@@ -42,12 +42,7 @@ def main() -> None:
     report: dict = {}
 
     def payloads(attempt: int, kind: Kind, no_xor: set[str]) -> list[bytes]:
-        items = []
-        for name in sorted(a):
-            k = Kind.OVERWRITE if name in no_xor else kind
-            item = diff_tensors(name, a[name], b[name], owner=0, kind=k)
-            if item.count:
-                items.append(item)
+        items = diff_checkpoints(a, b, kind=kind, overwrite=no_xor)
         meta = PayloadMeta(version=1, base_version=0, attempt=attempt, owner=0, sequence=0)
         return encode_items(items, meta, BucketConfig(bucket_bytes=8 << 10, threads=0))
 

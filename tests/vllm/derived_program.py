@@ -29,7 +29,7 @@ def main() -> None:
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint, tensor_table
     from shared_codec.format import PayloadMeta
-    from shared_codec.records import Kind, diff_tensors
+    from shared_codec.records import diff_checkpoints
     from tests.vllm._engine import start_llm
 
     sp = SamplingParams(max_tokens=12, temperature=0.0)
@@ -54,12 +54,7 @@ def main() -> None:
     report["v0"] = snapshot()
     a, b = load_checkpoint(v0), load_checkpoint(v1)
     no_xor = set(report["prewarm"].get("overwrite_only", {}))
-    items = []
-    for name in sorted(a):
-        kind = Kind.OVERWRITE if name in no_xor else Kind.XOR
-        item = diff_tensors(name, a[name], b[name], owner=0, kind=kind)
-        if item.count:
-            items.append(item)
+    items = diff_checkpoints(a, b, overwrite=no_xor)
     meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
     payloads = encode_items(items, meta, BucketConfig(bucket_bytes=64 << 10, threads=0))
     (report["stage"],) = llm.collective_rpc("dcr_stage", args=(payloads,))

@@ -38,7 +38,7 @@ def main() -> None:
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta
-    from shared_codec.records import Kind, diff_tensors
+    from shared_codec.records import Kind, diff_checkpoints
     from tests.vllm._engine import start_llm
     from vllm_dcr_plugin import faults
 
@@ -109,12 +109,8 @@ def main() -> None:
     def payloads(
         a: int, b: int, attempt: int, mode: str, base: int | None = None, sequence: int = 0
     ) -> list:
-        items = []
-        for name in sorted(ckpts[a]):
-            kind = Kind.OVERWRITE if mode == "overwrite" or name in no_xor else Kind.XOR
-            item = diff_tensors(name, ckpts[a][name], ckpts[b][name], owner=0, kind=kind)
-            if item.count:
-                items.append(item)
+        kind = Kind.OVERWRITE if mode == "overwrite" else Kind.XOR
+        items = diff_checkpoints(ckpts[a], ckpts[b], kind=kind, overwrite=no_xor)
         meta = PayloadMeta(
             version=b,
             base_version=a if base is None else base,
