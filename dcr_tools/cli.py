@@ -15,15 +15,15 @@ Subcommands (each has ``--help``):
   growth of every DCR process's memory, descriptors, threads and disk (dcr_tools/soak.py).
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench affine [--json PATH]``: affine share of canonical weight bytes per verified family.
-- ``dcr bench construct [--json PATH] [--size medium|small]``: owner-side construction time,
-  payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
+- ``dcr bench construct [--json PATH] [--size medium|small|large] [--modes X,P,F]``: owner-side
+  construction time, payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G[,G...]] [--rates R[,R...]]
   [--repeats N] [--pin] [--trainer-tp T] [--nodes N] [--bucket-mib M]``: end-to-end refits
   (pipelined and sequential) vs the full-checkpoint reference over the same throttled links,
   interleaved, a warm-up then N rounds (median and min-max); ``--pin``: two-cluster emulation
   (trainer and engines on separate CPUs).
-- ``dcr bench apply [--json PATH] [--size medium|small]``: receiver apply vs dense load (needs
-  vLLM; imported only by this subcommand).
+- ``dcr bench apply [--json PATH] [--size medium|small|large]``: receiver apply vs dense load
+  (needs vLLM; imported only by this subcommand).
 
 Heavy packages are imported only inside the subcommand that needs them.
 """
@@ -121,7 +121,9 @@ def cmd_bench_construct(args: argparse.Namespace) -> int:
     from dcr_tools.procs import torchrun_cmd
 
     extra = ["--json", args.json] if args.json else []
-    cmd = torchrun_cmd("dcr_tools.bench.construct", ["--size", args.size, *extra])
+    cmd = torchrun_cmd(
+        "dcr_tools.bench.construct", ["--size", args.size, "--modes", args.modes, *extra]
+    )
     return subprocess.call(cmd)
 
 
@@ -365,18 +367,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--size",
-        choices=("medium", "small"),
+        choices=("medium", "small", "large"),
         default="medium",
-        help="medium: ~165M parameters (default); small: a quick run",
+        help="medium: ~165M parameters (default); small: a quick run; large: ~1.34B (scale run)",
     )
     p.set_defaults(func=cmd_bench_apply)
     p = bsub.add_parser("construct", help="owner-side delta construction, modes X/P/F")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
         "--size",
-        choices=("medium", "small"),
+        choices=("medium", "small", "large"),
         default="medium",
-        help="medium: ~316M parameters (default); small: a quick run",
+        help="medium: ~316M parameters (default); small: a quick run; large: ~1.34B (scale run)",
+    )
+    p.add_argument(
+        "--modes", default="X,P,F", help="comma-separated subset of X,P,F (default all three)"
     )
     p.set_defaults(func=cmd_bench_construct)
     p = bsub.add_parser("affine", help="affine share of canonical weight bytes per family")

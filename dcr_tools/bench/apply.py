@@ -1,8 +1,9 @@
 """``dcr bench apply``: in-place apply vs a dense load, on one real vLLM engine, in one run.
 
-A medium Qwen3 model (default ~165M parameters, BF16) is written locally; versions with a
-uniform 1%, 3% and 5% of elements changed in every tensor are derived from it. One vLLM engine
-(TP=1, the DCR worker extension) starts on v0 and is prewarmed. Then, side by side:
+A Qwen3 model (medium: ~165M parameters, BF16; large: ~1.34B, `sizes.LARGE`) is written
+locally; versions with a uniform 1%, 3% and 5% of elements changed in every tensor are derived
+from it. One vLLM engine (TP=1, the DCR worker extension) starts on v0 and is prewarmed. Then,
+side by side:
 
 - dense: ``dcr_dense_load(v0)`` (reads the safetensors file and runs ``load_weights``),
   worker-side seconds, one warm-up and `repeats` timed runs;
@@ -12,7 +13,12 @@ uniform 1%, 3% and 5% of elements changed in every tensor are derived from it. O
   ACK (decode + application); one warm-up (whose result is checked bit for bit against a dense
   load of v_rate) and `repeats` timed runs, the engine dense-loaded back to v0 after each
   (untimed). The peak-RSS delta of the worker over stage + apply (Linux VmHWM reset) is the
-  receiver memory beyond resident weights.
+  receiver memory beyond resident weights;
+- scatter (the physical floor): the same decoded items scattered with the compiled one-pass
+  kernels (``shared_codec.kernels``: XOR or store, one thread) into a copy of the same tensors
+  (canonical shapes, in this process), no decode, no placement; one warm-up and `repeats`
+  timed passes, measured right after each rate's applies. ``apply_vs_scatter`` = apply / it;
+  ``place_vs_scatter`` = (apply - its decode) / it (medians).
 
 JSON keys are documented in docs/benchmarks.md.
 """
@@ -27,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from dcr_tools.bench.sizes import LARGE
 
 MEDIUM = {
     "hidden_size": 1024,
@@ -46,9 +54,35 @@ SMALL = {
     "head_dim": 64,
     "vocab_size": 4096,
 }
+SIZES = {"medium": MEDIUM, "small": SMALL, "large": LARGE}
 
 
 MODES = ("loader", "plan")
+
+
+def scatter_seconds(target: dict[str, Any], items: list[Any], repeats: int) -> list[float]:
+    """Bare indexed scatter of `items` into `target` (name -> tensor, modified): one warm-up,
+    then `repeats` timed passes (seconds each). XOR passes toggle the bits; stores repeat."""
+    import numpy as np
+
+    from shared_codec.dtypes import tensor_bits
+    from shared_codec.kernels import set_scatter, xor_scatter
+    from shared_codec.records import Kind
+
+    work = []
+    for it in items:
+        arr = tensor_bits(target[it.name])
+        ints = np.dtype(f"i{arr.itemsize}")
+        op = xor_scatter if it.kind == Kind.XOR else set_scatter
+        work.append((op, arr.view(ints), it.indices, it.values.view(ints)))
+    runs = []
+    for rep in range(repeats + 1):
+        t0 = time.perf_counter()
+        for op, arr, idx, vals in work:
+            op(arr, idx, vals)
+        if rep:
+            runs.append(time.perf_counter() - t0)
+    return runs
 
 
 def run(
@@ -63,7 +97,7 @@ def run(
     from shared_codec.records import diff_checkpoints
 
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-apply-"))
-    dims = MEDIUM if size == "medium" else SMALL
+    dims = SIZES[size]
     print(f"[bench apply] writing the {size} model and {len(rates)} versions to {work}", flush=True)
     v0 = write_tiny_model("qwen3", work / "v0", seed=0, **dims)
     ckpt0 = load_checkpoint(v0)
@@ -72,6 +106,7 @@ def run(
         path = work / f"v_{round(rate * 100)}pct"
         perturb_checkpoint(v0, path, seed=100 + i, rate=(rate, rate))
         versions[rate] = path
+    target = {n: t.clone() for n, t in ckpt0.items()}  # the scatter reference writes here
     n_params = sum(t.numel() for t in ckpt0.values())
     ckpt_bytes = sum(t.numel() * t.element_size() for t in ckpt0.values())
     largest = max(t.numel() * t.element_size() for t in ckpt0.values())
@@ -159,11 +194,23 @@ def run(
             row[f"{prefix}apply_decode_s"] = statistics.median(r["decode_s"] for r in runs)
             row[f"{prefix}stage_s"] = statistics.median(r["stage_s"] for r in runs)
             row[f"{prefix}apply_vs_dense"] = row[f"{prefix}apply_s"] / dense_s
+            row[f"{prefix}apply_s_per_gb"] = row[f"{prefix}apply_s"] / (ckpt_bytes / 1e9)
             row[f"{prefix}peak_rss_delta_bytes"] = max(r["peak_rss_delta_bytes"] for r in runs)
+        scatter = scatter_seconds(target, items, repeats)
+        row["scatter_s"] = statistics.median(scatter)
+        row["scatter_runs_s"] = scatter
+        row["scatter_min_s"], row["scatter_max_s"] = min(scatter), max(scatter)
+        for prefix in ("", "loader_"):
+            row[f"{prefix}apply_vs_scatter"] = row[f"{prefix}apply_s"] / row["scatter_s"]
+            # without decoding the payloads: placement + scatter vs the bare scatter
+            row[f"{prefix}place_vs_scatter"] = (
+                row[f"{prefix}apply_s"] - row[f"{prefix}apply_decode_s"]
+            ) / row["scatter_s"]
         rows.append(row)
         print(
             f"[bench apply] {row['rate']}: plan {row['apply_s']:.3f} s "
-            f"({100 * row['apply_vs_dense']:.1f}% of dense), loader {row['loader_apply_s']:.3f} s "
+            f"({100 * row['apply_vs_dense']:.1f}% of dense, {row['apply_vs_scatter']:.2f}x the "
+            f"bare scatter {row['scatter_s']:.3f} s), loader {row['loader_apply_s']:.3f} s "
             f"({100 * row['loader_apply_vs_dense']:.1f}%)",
             flush=True,
         )
@@ -183,6 +230,7 @@ def run(
         "scratch_vs_largest_tensor": report["scratch_bytes"] / largest,
         "repeats": repeats,
         "dense_load_s": dense_s,
+        "dense_load_s_per_gb": dense_s / (ckpt_bytes / 1e9),
         "dense_load_runs_s": dense,
         "dense_load_min_s": min(dense),
         "dense_load_max_s": max(dense),
@@ -197,11 +245,12 @@ def render(res: dict[str, Any]) -> str:
         f"{m['checkpoint_bytes'] / 1e6:.0f} MB BF16, vLLM CPU TP=1; median [min-max] of "
         f"{res['repeats']} after a warm-up)",
         f"dense load: {res['dense_load_s']:.3f} s [{res['dense_load_min_s']:.3f}-"
-        f"{res['dense_load_max_s']:.3f}]",
+        f"{res['dense_load_max_s']:.3f}] ({res['dense_load_s_per_gb']:.4f} s/GB)",
     ]
     out.append(
         f"{'rate':>5} | {'changed':>10} | {'payload MB':>10} | {'path':>6} | "
-        f"{'apply s [min-max]':>21} | {'apply/dense':>11} | {'exact':>5} | {'peak RSS +MB':>12}"
+        f"{'apply s [min-max]':>21} | {'apply/dense':>11} | {'/scatter':>8} | {'s/GB':>6} | "
+        f"{'exact':>5} | {'peak RSS +MB':>12}"
     )
     for r in res["rows"]:
         for mode in MODES:
@@ -210,10 +259,17 @@ def render(res: dict[str, Any]) -> str:
                 f"{r['rate']:>5} | {r['changed_elements']:10d} | "
                 f"{r['payload_bytes'] / 1e6:10.2f} | {mode:>6} | {r[p + 'apply_s']:7.3f} "
                 f"[{r[p + 'apply_min_s']:.3f}-{r[p + 'apply_max_s']:.3f}] | "
-                f"{100 * r[p + 'apply_vs_dense']:10.1f}% | "
+                f"{100 * r[p + 'apply_vs_dense']:10.1f}% | {r[p + 'apply_vs_scatter']:7.2f}x | "
+                f"{r[p + 'apply_s_per_gb']:6.4f} | "
                 f"{'yes' if r[mode + '_bit_exact'] else 'NO':>5} | "
                 f"{r[p + 'peak_rss_delta_bytes'] / 1e6:12.1f}"
             )
+        out.append(
+            f"{r['rate']:>5} | bare scatter of the same items: {1e3 * r['scatter_s']:.1f} ms "
+            f"[{1e3 * r['scatter_min_s']:.1f}-{1e3 * r['scatter_max_s']:.1f}]; without decode, apply is "
+            f"{r['place_vs_scatter']:.2f}x (plan) / {r['loader_place_vs_scatter']:.2f}x (loader) "
+            "the bare scatter"
+        )
     out.append(
         f"scratch: {res['scratch_bytes'] / 1e6:.1f} MB = "
         f"{res['scratch_vs_largest_tensor']:.2f}x the largest canonical tensor"

@@ -1,7 +1,8 @@
 """``dcr bench construct``: delta construction time and payload bytes, modes X, P, F.
 
 Runs as a 2-rank gloo job (torchrun, TP=2) on a randomly initialised Qwen3-shaped GPTModel of a
-few hundred million parameters (default ~316M: hidden 1024, 16 layers, FFN 4096, vocab 32000).
+few hundred million parameters (default ~316M: hidden 1024, 16 layers, FFN 4096, vocab 32000;
+`--size large`: ~1.34B, `sizes.LARGE`, the scale run).
 For each injected change rate (3%, 5%: a uniform share of every parameter's elements updated by
 relative amplitude 1e-2, identically on replicas), each mode's hook builds one delta (all
 payloads handed to a counting sink) and the weights are restored. Reported per rate and mode:
@@ -13,7 +14,8 @@ its baseline, as 64-bit words XORed and ORed into one accumulator, compiled; the
 both streams must do), measured the same way (one warm-up, `REPEATS` runs, median) right
 before the builds of each rate. memcpy (``dst.copy_(src)`` into a preallocated buffer, read +
 written bytes per second) is still reported for comparison. Rank 0 prints the table and writes
-the JSON.
+the JSON. Construction seconds per GB of the BF16 checkpoint (`seconds_per_gb`) compare sizes.
+`--modes` picks a subset of X, P, F (the P-vs-F and X-vs-P ratios need the modes they name).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dcr_tools.bench.sizes import LARGE
 from dcr_tools.bench.stats import summarize
 
 REPEATS = 5  # timed runs after one warm-up, for builds and the read reference
@@ -52,6 +55,7 @@ SIZES = {
         "head_dim": 64,
         "vocab_size": 4096,
     },
+    "large": LARGE,
 }
 
 
@@ -123,7 +127,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="medium", choices=sorted(SIZES))
     ap.add_argument("--json", default="")
+    ap.add_argument("--modes", default="X,P,F", help="comma-separated subset of X,P,F")
     args = ap.parse_args()
+    modes = [m for m in ("X", "P", "F") if m in args.modes.split(",")]
+    if not modes or set(args.modes.split(",")) - {"X", "P", "F"}:
+        ap.error(f"--modes must name some of X,P,F, got {args.modes!r}")
 
     from megatron_dcr_hooks import cpu_compat
 
@@ -157,8 +165,10 @@ def main() -> None:
             [model],
             DCRConfig(mode=m, architecture=architecture_of(cfg), wrap_step=False, encode_threads=0),
         )
-        for m in ("X", "P", "F")
+        for m in modes
     }
+    first = next(iter(hooks.values())).report()
+    n_canonical = int(first["canonical_bytes"] // 2)
     bws = memcpy_bandwidth()
     bw = float(np.median(bws))
     rows: list[dict[str, Any]] = []
@@ -195,6 +205,7 @@ def main() -> None:
                 "seconds_min": seconds["min"],
                 "seconds_max": seconds["max"],
                 "seconds_runs": seconds["runs"],
+                "seconds_per_gb": seconds["median"] / (n_canonical * 2 / 1e9),
                 "payload_bytes": int(b[0, 2]),
                 "element_change_rate": rep.element_change_rate,
             }
@@ -231,13 +242,17 @@ def main() -> None:
             for n, p in model.named_parameters():
                 p.copy_(saved[n])
     if rank == 0:
-        share = hooks["X"].report()
         res = {
             "benchmark": "construct",
             "size": args.size,
             **SIZES[args.size],
-            "parameters": int(share["canonical_bytes"] // 2),
-            "affine_share": share["affine_share"],
+            "parameters": n_canonical,
+            "checkpoint_bytes": n_canonical * 2,
+            "modes": modes,
+            # F classifies nothing as affine: report the share an X or P hook uses
+            "affine_share": (hooks.get("X") or hooks.get("P") or hooks["F"]).report()[
+                "affine_share"
+            ],
             "memcpy_bytes_per_s": bw,
             "memcpy_min_bytes_per_s": min(bws),
             "memcpy_max_bytes_per_s": max(bws),
@@ -247,10 +262,12 @@ def main() -> None:
         }
         by = {(r["rate"], r["mode"]): r for r in rows}
         for pct in ("3%", "5%"):
-            res[f"p_vs_f_speedup_{pct}"] = by[(pct, "F")]["seconds"] / by[(pct, "P")]["seconds"]
-            res[f"x_bytes_saving_vs_p_{pct}"] = (
-                1 - by[(pct, "X")]["payload_bytes"] / by[(pct, "P")]["payload_bytes"]
-            )
+            if "F" in modes and "P" in modes:
+                res[f"p_vs_f_speedup_{pct}"] = by[(pct, "F")]["seconds"] / by[(pct, "P")]["seconds"]
+            if "X" in modes and "P" in modes:
+                res[f"x_bytes_saving_vs_p_{pct}"] = (
+                    1 - by[(pct, "X")]["payload_bytes"] / by[(pct, "P")]["payload_bytes"]
+                )
         print(render(res))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +279,8 @@ def main() -> None:
 
 def render(res: dict) -> str:
     out = [
-        f"Delta construction ({res['parameters'] / 1e6:.0f}M parameters, 2 ranks TP=2, "
+        f"Delta construction ({res['parameters'] / 1e6:.0f}M parameters, "
+        f"{res['checkpoint_bytes'] / 1e9:.2f} GB BF16, 2 ranks TP=2, "
         f"affine share {100 * res['affine_share']:.1f}%; memcpy "
         f"{res['memcpy_bytes_per_s'] / 1e9:.1f} GB/s r+w)"
     ]
@@ -271,7 +289,7 @@ def render(res: dict) -> str:
         "same-thread read of the same two streams / detection, rank 0)"
     )
     out.append(
-        f"{'rate':>4} {'mode':>4} | {'seconds':>17} | {'payload MB':>10} | "
+        f"{'rate':>4} {'mode':>4} | {'seconds':>17} | {'s/GB':>6} | {'payload MB':>10} | "
         f"{'detect s':>20} | {'read s':>6} | {'scan eff.':>16} | {'vs memcpy':>9}"
     )
     for r in res["rows"]:
@@ -285,14 +303,17 @@ def render(res: dict) -> str:
             mem, rd = f"{r['scan_vs_memcpy']:.2f}", f"{r['read_seconds']:.3f}"
         secs = f"{r['seconds']:.2f} [{r['seconds_min']:.2f}-{r['seconds_max']:.2f}]"
         out.append(
-            f"{r['rate']:>4} {r['mode']:>4} | {secs:>17} | {r['payload_bytes'] / 1e6:10.2f} | "
+            f"{r['rate']:>4} {r['mode']:>4} | {secs:>17} | {r['seconds_per_gb']:6.3f} | "
+            f"{r['payload_bytes'] / 1e6:10.2f} | "
             f"{det:>20} | {rd:>6} | {eff:>16} | {mem:>9}"
         )
     for rate in ("3%", "5%"):
-        out.append(
-            f"{rate}: P is {res[f'p_vs_f_speedup_{rate}']:.2f}x faster than F; X has "
-            f"{100 * res[f'x_bytes_saving_vs_p_{rate}']:.0f}% fewer bytes than P"
-        )
+        if f"p_vs_f_speedup_{rate}" in res:
+            out.append(f"{rate}: P is {res[f'p_vs_f_speedup_{rate}']:.2f}x faster than F")
+        if f"x_bytes_saving_vs_p_{rate}" in res:
+            out.append(
+                f"{rate}: X has {100 * res[f'x_bytes_saving_vs_p_{rate}']:.0f}% fewer bytes than P"
+            )
     return "\n".join(out)
 
 
