@@ -26,6 +26,12 @@ Limitations:
    alone (`model_process_groups`), so every CP rank runs the whole sequence of its DP rank's
    batch instead of a slice of it. Parameters and gradients stay identical across CP ranks,
    which is all the owner side depends on; the sequence split itself is not exercised.
+5. MoE token dispatcher: ``alltoall`` by default. With EP > 1 and ETP > 1 it all-gathers
+   uneven per-rank token counts over the expert-TP group (``torch.distributed.all_gather``
+   into a list of unequal tensors), which gloo refuses (``ProcessGroupGloo::allgather: invalid
+   tensor size``); such layouts pass ``moe_token_dispatcher_type="allgather"`` as an override
+   (equal-sized all-gather and reduce-scatter over the TP x EP group). The expert parameter
+   layout does not depend on the dispatcher.
 """
 
 from __future__ import annotations
@@ -106,7 +112,7 @@ _CPU_SETTINGS: dict[str, Any] = {
 _CPU_MOE_SETTINGS: dict[str, Any] = {
     "moe_router_load_balancing_type": "none",
     "moe_aux_loss_coeff": 0.0,
-    "moe_token_dispatcher_type": "alltoall",
+    "moe_token_dispatcher_type": "alltoall",  # "allgather" for EP x ETP (limitation 5)
     "moe_grouped_gemm": False,
     "moe_router_dtype": "fp32",
     "moe_permute_fusion": False,

@@ -35,9 +35,12 @@ def start(ckpt: str, tp: int, ep: int) -> tuple[dict, Any, dict[str, torch.Tenso
     return cfg, chunks[0], hf
 
 
-def start_chunks(ckpt: str, layout: Any) -> tuple[dict, list[Any], dict[str, torch.Tensor]]:
+def start_chunks(
+    ckpt: str, layout: Any, **overrides: Any
+) -> tuple[dict, list[Any], dict[str, torch.Tensor]]:
     """Initialise this rank for `layout` (a `ParallelLayout`) and return (HF config, this rank's
-    model chunks loaded with the checkpoint, HF tensors)."""
+    model chunks loaded with the checkpoint, HF tensors). `overrides`: TransformerConfig fields
+    set last (`model.transformer_config_from_hf`), e.g. ``moe_token_dispatcher_type``."""
     cpu_compat.enable()
     dist.init_process_group("gloo")
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -51,7 +54,7 @@ def start_chunks(ckpt: str, layout: Any) -> tuple[dict, list[Any], dict[str, tor
     model_parallel_cuda_manual_seed(1234)
     cfg = json.loads((Path(ckpt) / "config.json").read_text())
     hf = load_checkpoint(ckpt)
-    chunks = build_gpt_chunks(cfg, layout)
+    chunks = build_gpt_chunks(cfg, layout, **overrides)
     load_hf_weights(chunks, architecture_of(cfg), hf_getter(hf))
     return cfg, chunks, hf
 

@@ -3,9 +3,9 @@ steps the emitted records, applied to the v0 canonical export, equal the bridge'
 for bit in modes X, P and F; no destination is emitted twice across owners; the ranks' owned
 elements add up to the canonical element count (one owner per element); a step-less build emits
 nothing; a partial attempt plus an overwrite retry is exact. `LAYOUTS` runs the same checks on
-parallel layouts (PP, virtual pipeline stages, SP, ETP, TPxPP, CP in the process groups; EP x
-ETP does not train on CPU here: README, "Parallel layouts") and the distributed optimizer with
-``overlap_param_gather``. Rank program: worker_owner.py."""
+parallel layouts (PP, virtual pipeline stages, SP, ETP, TPxPP, CP in the process groups, EP x
+ETP with the allgather MoE dispatcher: README, "Parallel layouts") and the distributed optimizer
+with ``overlap_param_gather``. Rank program: worker_owner.py."""
 
 from __future__ import annotations
 
@@ -74,6 +74,8 @@ def _slow(case: tuple) -> Any:
     return pytest.param(case, marks=pytest.mark.slow)
 
 
+_TP2_EP2_ETP2 = ["--tp", "2", "--ep", "2", "--etp", "2"]
+
 # id, kind, layers, ranks, worker args. Default lane: PP=2 and virtual stages on a dense and a
 # MoE family, the lazy parameter gather and CP=2 (~12-35 s each); the rest in the slow lane.
 LAYOUTS = [
@@ -85,6 +87,12 @@ LAYOUTS = [
     _slow(("sp-tp2", "qwen3", 2, 2, ["--tp", "2", "--sp"])),
     _slow(("moe-tp2-etp2-sp", "qwen3-moe", 2, 2, ["--tp", "2"])),  # MoE + TP forces SP; ETP=TP
     _slow(("moe-vpp2", "qwen3-moe", 4, 2, ["--pp", "2", "--vpp", "2"])),
+    # EP=2 x ETP=2 (TP=2, SP forced, expert DP=1) with megatron's allgather dispatcher: the
+    # default alltoall one all-gathers uneven token counts over expert TP when ETP > 1, which
+    # gloo refuses; the expert parameter layout DCR reads is the same under either dispatcher
+    _slow(
+        ("moe-tp2-ep2-etp2-sp", "qwen3-moe", 2, 4, [*_TP2_EP2_ETP2, "--dispatcher", "allgather"])
+    ),
     _slow(("tp2-pp2", "qwen3", 2, 4, ["--tp", "2", "--pp", "2"])),
     _slow(("tp2-pp2-vpp2", "qwen3", 4, 4, ["--tp", "2", "--pp", "2", "--vpp", "2"])),
     # CP=2 (DP=1) with the distributed optimizer: megatron's groups, DDP's gradient reduction,
@@ -126,6 +134,19 @@ def test_owner_parallel_layouts(case, tiny_models, tmp_path: Path) -> None:
             assert g["ddp_reduce"] == g["dp_cp"] == g["dcr_holders"]  # reduced and owned over DPxCP
             assert g["model_cp"] == 1 and g["attention_cp"] == 1  # the sequence is not split
             assert info["X"]["build"]["owned_elements"] > 0  # each CP rank owns a share
+    if "--dispatcher" in extra:
+        want = {
+            "allgather": "MoEAllGatherTokenDispatcher",
+            "alltoall": "MoEAlltoAllTokenDispatcher",
+        }
+        dispatcher = want[extra[extra.index("--dispatcher") + 1]]
+        for info in r["ranks"]:
+            moe = info["moe"]
+            assert moe["dispatchers"] == [dispatcher]  # every MoE layer trained with it
+            for flag in ("ep", "etp"):
+                if f"--{flag}" in extra:
+                    assert moe[flag] == int(extra[extra.index(f"--{flag}") + 1])
+            assert moe["ep"] * moe["etp"] * moe["expert_dp"] == ranks
     if "--check-skip" in extra:
         # a skipped iteration (non-finite gradients) publishes nothing and changes nothing
         assert r["skip"] == {"ok": False, "payloads": 0, "built": False, "params_unchanged": True}

@@ -1,12 +1,14 @@
 """Megatron rank program for tests/megatron/test_owner.py (torchrun, gloo).
 
 Loads the tiny fixture into Megatron GPTModel chunks (any parallel layout: TP, PP with virtual
-stages, EP, SP, distributed optimizer, and CP in the process groups only: the CPU model runs
-the whole sequence on every CP rank, dcr_tools/trainers/model.py limitation 4), attaches DCR
-hooks in modes X, P and F, runs real optimizer steps, builds the deltas, and writes every rank's payloads to a directory. Rank 0
-then checks them against the bridge's full HF export: applied to the v0 export they give the v1
-export bit for bit (every tensor), for every mode; no destination is emitted twice; a step-less
-build emits nothing; a partial attempt followed by an overwrite retry gives v2 exactly.
+stages, EP, ETP, SP, distributed optimizer, and CP in the process groups only: the CPU model
+runs the whole sequence on every CP rank, dcr_tools/trainers/model.py limitation 4; EP x ETP
+needs ``--dispatcher allgather`` on gloo, limitation 5 there), attaches DCR hooks in modes X, P
+and F, runs real optimizer steps, builds the deltas, and writes every rank's payloads to a
+directory. Rank 0 then checks them against the bridge's full HF export: applied to the v0 export
+they give the v1 export bit for bit (every tensor), for every mode; no destination is emitted
+twice; a step-less build emits nothing; a partial attempt followed by an overwrite retry gives
+v2 exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None, help="expert tensor parallel size")
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP > 1)")
+    ap.add_argument(
+        "--dispatcher",
+        default="",
+        help="MoE token dispatcher (default: the builder's alltoall; allgather for EP x ETP)",
+    )
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--overlap-param-gather", action="store_true", help="lazy parameter all-gather")
     ap.add_argument(
@@ -48,7 +55,8 @@ def main() -> None:
         tp=args.tp, pp=args.pp, vpp=args.vpp, cp=args.cp, ep=args.ep, sp=args.sp,
         expert_tp=args.etp,
     )  # fmt: skip
-    cfg, model, _ = start_chunks(args.ckpt, layout)
+    overrides = {"moe_token_dispatcher_type": args.dispatcher} if args.dispatcher else {}
+    cfg, model, _ = start_chunks(args.ckpt, layout, **overrides)
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
@@ -149,6 +157,15 @@ def main() -> None:
         "dcr_holders": hooks["X"].groups.dp.size,
         "model_cp": model[0].pg_collection.cp.size(),
         "attention_cp": model[0].config.context_parallel_size,
+    }
+    moe_layers = [
+        m for c in model for m in c.modules() if getattr(m, "token_dispatcher", None) is not None
+    ]
+    info["moe"] = {  # which dispatcher trained, and the expert groups it ran over
+        "dispatchers": sorted({type(m.token_dispatcher).__name__ for m in moe_layers}),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "expert_dp": ps.get_expert_data_parallel_world_size(),
     }
     infos = [None] * dist.get_world_size()
     dist.all_gather_object(infos, info)  # test harness only: small plain dicts
