@@ -37,7 +37,7 @@ Limitations:
    compression): gaps far from geometric (clustered changes) may split worse than planes.
 2. ``SPLIT_GAPS`` was added to format v1 on 2026-12-04; an older decoder rejects a payload
    using it with ``PayloadError`` (unknown location encoding), never misreads it.
-   ``SPARSE_GAPS`` exists from format v2 on (2026-12-05); a v1 payload naming it is rejected.
+   ``SPARSE_GAPS`` exists from format v2 on (2026-12-04); a v1 payload naming it is rejected.
 3. ``SPLIT_GAPS`` has no sparse variant: its high part (mean ~8) is never sparse.
 """
 

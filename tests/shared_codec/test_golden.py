@@ -1,6 +1,6 @@
 """Golden bytes: stored payloads of every format version decode to known records, and encoding
 those records reproduces the stored bytes of the current version (2) exactly. Version-1 files
-(written before 2026-12-05) are frozen: they must keep decoding. Regenerate the current
+(written before version 2) are frozen: they must keep decoding. Regenerate the current
 version's files (only for a deliberate format change, with a new format version) with:
 python -m tests.shared_codec.test_golden regen
 """
@@ -118,7 +118,7 @@ def split_items():
 
 
 def sparse_items():
-    """Items of `v2_sparse_blocks.bin` (added 2026-12-05): `split_items`, then a 2.4% BF16
+    """Items of `v2_sparse_blocks.bin` (added 2026-12-04): `split_items`, then a 2.4% BF16
     XOR item whose gaps' high plane is almost all zero (sparse gaps, location code 6) and whose
     high value plane has a few exponent carries (sparse planes, value code 2)."""
     rng = np.random.default_rng(19)
