@@ -21,7 +21,7 @@ from shared_codec.errors import (
 __version__ = "0.1.0"
 
 #: Version of the payload container (docs/format.md). Bumped on any wire change.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 __all__ = [
     "CommitConflict",

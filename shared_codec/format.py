@@ -1,4 +1,4 @@
-"""Payload container, format version 1 (normative spec: docs/format.md).
+"""Payload container, format version 2 (normative spec: docs/format.md).
 
 A payload carries the delta items of one owner's bucket for one transition attempt:
 
@@ -18,11 +18,18 @@ before touching memory, bounds decompression by the header and a global cap, and
 `PayloadError` naming the payload and the field; it never mutates anything outside its output.
 No pickle anywhere.
 
+Version 2 has the container and header of version 1 and adds two section encodings: sparse byte
+planes (location code 6 ``sparse_gaps``, value code 2 ``sparse_planes``; planes.py). Encoders
+write version 2; decoders accept both, and a version-1 payload naming a version-2 code is
+rejected like any unknown code.
+
 Decoding memory is bounded by the header, checked before decompression: every item's `count`
 is at most its numel (and, given `destinations`, at most the destination tensor's numel), its
-location section at most `loc_bound(count)` bytes and its value section exactly `count` words, so
+location section at most `loc_bound(count)` bytes and its value section at most `count` words, so
 the raw body is at most the sum over items of ``18 + (16 + itemsize) * count`` bytes and every
 transient array of the decode is a small multiple of the entries it yields (docs/format.md).
+The decoded values (count times item size over all items) are held to the body cap as well:
+sparse planes store fewer bytes than they decode to.
 A malformed input or key (wrong type or length) is a `PayloadError` too, never a ValueError
 or TypeError.
 """
@@ -37,13 +44,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared_codec import compression, locations, values
+from shared_codec import FORMAT_VERSION, compression, locations, values
 from shared_codec.dtypes import BY_CODE, dtype_of
 from shared_codec.errors import PayloadError
 from shared_codec.records import DeltaItem, Kind
 
 MAGIC = b"DCRP"
-VERSION = 1
+VERSION = FORMAT_VERSION
+#: Section encoding codes each format version admits: (location codes, value codes).
+CODES = {
+    1: (
+        frozenset(
+            {
+                locations.GAPS,
+                locations.RANGES,
+                locations.BITMAP,
+                locations.PLAIN_GAPS,
+                locations.SPLIT_GAPS,
+            }
+        ),
+        frozenset({values.PLAIN, values.PLANES}),
+    ),
+    2: (frozenset(locations.NAMES), frozenset(values.NAMES)),
+}
 FLAG_KEYED = 1
 FLAG_ZSTD = 2
 KNOWN_FLAGS = FLAG_KEYED | FLAG_ZSTD
@@ -64,16 +87,16 @@ MAX_KEY_SIZE = 64
 
 
 def loc_bound(count: int) -> int:
-    """Most bytes a location section of `count` entries may take (format v1): the ranges head
-    plus two 8-byte words per entry. Every encoding DCR writes fits (gaps 9 + 8(count-1), split
-    gaps 10 + 9(count-1), plain gaps 4 count, ranges 10 + 16 runs, bitmap only when smaller
-    than gaps)."""
+    """Most bytes a location section of `count` entries may take (format v1 and v2): the ranges
+    head plus two 8-byte words per entry. Every encoding DCR writes fits (gaps 9 + 8(count-1),
+    split gaps 10 + 9(count-1), sparse gaps at most gaps + 1, plain gaps 4 count, ranges 10 +
+    16 runs, bitmap only when smaller than gaps)."""
     return 18 + 16 * count
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PayloadMeta:
-    """Transition metadata every payload of an attempt carries (format v1 header fields).
+    """Transition metadata every payload of an attempt carries (format v1/v2 header fields).
 
     `version` is the policy version the delta produces (v+1); `base_version` the committed
     version it applies to (v); `baseline_id` identifies the committed baseline / commit record;
@@ -179,7 +202,8 @@ def encode_payload(
     paper: bool = False,
     compress: bool = True,
 ) -> bytes:
-    """Encode `items` into one v1 payload. Items are validated first (ValueError)."""
+    """Encode `items` into one payload of format `VERSION`. Items are validated first
+    (ValueError)."""
     table = bytearray()
     parts: list[bytes] = []
     for item in items:
@@ -296,7 +320,7 @@ def peek_header(
     magic, version, flags, header_len = PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise PayloadError(f"payload {label}: field magic: {bytes(magic)!r} is not {MAGIC!r}")
-    if version != VERSION:
+    if version not in CODES:
         raise PayloadError(f"payload {label}: field format_version: unsupported version {version}")
     if flags & ~KNOWN_FLAGS:
         raise PayloadError(f"payload {label}: field flags: unknown bits {flags & ~KNOWN_FLAGS:#x}")
@@ -364,15 +388,21 @@ def peek_header(
         d = BY_CODE[dcode]
         if count > numel:
             raise PayloadError(f"payload {label}: field {f}.count: {count} > numel {numel}")
-        if val_len != count * d.itemsize:
+        # sparse planes are never longer than dense ones (the encoder falls back to those)
+        if val_len > count * d.itemsize or (
+            val_code != values.SPARSE_PLANES and val_len != count * d.itemsize
+        ):
             raise PayloadError(f"payload {label}: field {f}.val_len: {val_len} for {count} entries")
         if loc_len > loc_bound(count):
             raise PayloadError(
                 f"payload {label}: field {f}.loc_len: {loc_len} bytes for {count} entries "
                 f"(at most {loc_bound(count)})"
             )
-        if loc_code not in locations.NAMES or val_code not in values.NAMES:
-            raise PayloadError(f"payload {label}: field {f}.encoding: unknown code")
+        if loc_code not in CODES[version][0] or val_code not in CODES[version][1]:
+            raise PayloadError(
+                f"payload {label}: field {f}.encoding: unknown code (location {loc_code}, "
+                f"value {val_code}) for format version {version}"
+            )
         section_total += loc_len + val_len
         if section_total > raw_len:
             raise PayloadError(f"payload {label}: field {f}.sections: exceed body_raw_len")
@@ -468,12 +498,21 @@ def decode_body(
     """Decode the body of `data`, whose header `peek_header` returned (verified) as `header`.
 
     Decompression is bounded by `header.body_raw_len` (itself bounded by the item table, see
-    the module docstring) and by `max_body`; PayloadError for anything malformed.
+    the module docstring) and by `max_body`, and so are the decoded values (count times item
+    size over all items); PayloadError for anything malformed.
     """
     label = header.payload_id_hex
     buf = _bytes_view(data)
     if len(buf) != header.total_len:
         raise PayloadError(f"payload {label}: field length: header is of another payload")
+    # Sparse planes (v2) decode to more bytes than they store: the decoded values, which every
+    # v1 body held raw, are held to the cap as well, so `count` cannot outgrow it either.
+    decoded = sum(e.count * dtype_of(e.dtype).itemsize for e in header.items)
+    if decoded > max_body:
+        raise PayloadError(
+            f"payload {label}: field items.count: {decoded} bytes of values exceeds the cap "
+            f"{max_body}"
+        )
     start = len(buf) - DIGEST_SIZE - header.body_stored_len
     stored = buf[start : len(buf) - DIGEST_SIZE]
     if header.flags & FLAG_ZSTD:

@@ -19,10 +19,15 @@ Encodings (wire codes in docs/format.md; all integers little-endian):
    cannot cost less than one bit: at a 1% uniform change it costs ~2x its entropy. Splitting
    lower, where the high part has a mean of ~8 (`split_bits`), leaves two planes zstd codes
    within ~1-2% of the gaps' entropy (``dcr bench codec``: payload / entropy bound).
+6. ``SPARSE_GAPS`` (6, format v2): ``u8 width | u64 first | splanes(gap - 1, width)``: ``GAPS``
+   with sparse byte planes (planes.py): a high plane with at most 1/32 of its bytes nonzero is
+   written as the positions and values of those bytes. At a 3% change the high byte plane of
+   the gaps has ~0.2% nonzero bytes, which zstd codes with one LZ sequence each.
 
 `encode_locations` picks the encoding with the fewest raw bytes (paper mode: PLAIN_GAPS when
 representable); between the two gap codings, which have about the same raw size, `split_bits`
-decides from the mean gap. `encode_location_parts` returns the section as its parts (head, byte
+decides from the mean gap, and ``GAPS`` becomes ``SPARSE_GAPS`` when one of its planes is
+sparse (not in paper mode). `encode_location_parts` returns the section as its parts (head, byte
 planes), which the payload encoder compresses as separate zstd blocks (compression.py).
 `decode_locations` validates every length and value before use and returns a strictly
 increasing int64 array with all indices < numel, or raises ValueError naming the field.
@@ -32,17 +37,29 @@ Limitations:
    compression): gaps far from geometric (clustered changes) may split worse than planes.
 2. ``SPLIT_GAPS`` was added to format v1 on 2026-12-04; an older decoder rejects a payload
    using it with ``PayloadError`` (unknown location encoding), never misreads it.
+   ``SPARSE_GAPS`` exists from format v2 on (2026-12-04); a v1 payload naming it is rejected.
+3. ``SPLIT_GAPS`` has no sparse variant: its high part (mean ~8) is never sparse.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from shared_codec.planes import (  # noqa: F401 (plane helpers re-exported)
+    decode_splanes,
+    from_planes,
+    min_width,
+    plane_parts,
+    splane_parts,
+    to_planes,
+)
+
 GAPS = 1
 RANGES = 2
 BITMAP = 3
 PLAIN_GAPS = 4
 SPLIT_GAPS = 5
+SPARSE_GAPS = 6
 
 NAMES = {
     GAPS: "gaps",
@@ -50,54 +67,10 @@ NAMES = {
     BITMAP: "bitmap",
     PLAIN_GAPS: "plain_gaps",
     SPLIT_GAPS: "split_gaps",
+    SPARSE_GAPS: "sparse_gaps",
 }
 #: Mean gap (minus one) from which gaps are split below the byte boundary (`split_bits`).
 SPLIT_MIN_MEAN = 60.0
-
-_U = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def min_width(max_value: int) -> int:
-    """Smallest width in {1, 2, 4, 8} bytes holding `max_value` (>= 0)."""
-    if max_value < 1 << 8:
-        return 1
-    if max_value < 1 << 16:
-        return 2
-    if max_value < 1 << 32:
-        return 4
-    return 8
-
-
-def to_planes(values: np.ndarray, width: int) -> bytes:
-    """Unsigned `values` at `width` bytes, as byte planes (most significant plane first)."""
-    return b"".join(plane_parts(values, width))
-
-
-def plane_parts(values: np.ndarray, width: int) -> list[bytes]:
-    """`to_planes` as one bytes object per plane (most significant first); [] when empty."""
-    if values.size == 0:
-        return []
-    words = np.ascontiguousarray(values, dtype=_U[width])
-    if width == 1:
-        return [words.tobytes()]
-    # shifts, not a transposed byte view: several times faster, and independent of byte order
-    out = np.empty((width, words.shape[0]), dtype=np.uint8)
-    for j in range(width):
-        np.right_shift(words, 8 * (width - 1 - j), out=out[j], casting="unsafe")
-    return [out[j].tobytes() for j in range(width)]
-
-
-def from_planes(buf: memoryview | bytes, count: int, width: int) -> np.ndarray:
-    """Inverse of `to_planes`: `count` unsigned words of `width` bytes (len(buf) must match)."""
-    raw = np.frombuffer(buf, dtype=np.uint8, count=count * width)
-    if width == 1:
-        return raw.copy()
-    planes = raw.reshape(width, count)
-    out = planes[0].astype(_U[width])
-    for j in range(1, width):
-        out <<= np.uint8(8)
-        out |= planes[j]
-    return out
 
 
 def split_bits(mean_gap: float) -> int:
@@ -122,9 +95,18 @@ def _u64(x: int) -> bytes:
     return int(x).to_bytes(8, "little")
 
 
-def _gaps_parts(indices: np.ndarray, gaps_m1: np.ndarray) -> tuple[int, list[bytes]]:
-    width = min_width(int(gaps_m1.max())) if gaps_m1.size else 1
-    return GAPS, [_u8(width) + _u64(indices[0]), *plane_parts(gaps_m1, width)]
+def _gaps_parts(
+    indices: np.ndarray, gaps_m1: np.ndarray, *, sparse: bool = True, gap_max: int | None = None
+) -> tuple[int, list[bytes]]:
+    if gap_max is None:
+        gap_max = int(gaps_m1.max()) if gaps_m1.size else 0
+    width = min_width(gap_max)
+    head = _u8(width) + _u64(indices[0])
+    if sparse and width > 1:
+        mask, parts = splane_parts(gaps_m1, width)
+        if mask:
+            return SPARSE_GAPS, [head, *parts]
+    return GAPS, [head, *plane_parts(gaps_m1, width)]
 
 
 def _split_parts(indices: np.ndarray, gaps_m1: np.ndarray, bits: int) -> tuple[int, list[bytes]]:
@@ -157,19 +139,20 @@ def encode_location_parts(indices: np.ndarray, *, paper: bool = False) -> tuple[
             stream[0] = first
             stream[1:] = diffs
             return PLAIN_GAPS, [stream.tobytes()]
-        return _gaps_parts(indices, diffs - 1)
+        return _gaps_parts(indices, diffs - 1, sparse=False)
     gaps_m1 = diffs - 1
     span = int(indices[-1]) - int(indices[0]) + 1
-    gap_width = min_width(int(gaps_m1.max())) if n > 1 else 1
-    gaps_size = 9 + (n - 1) * gap_width
+    gap_max = int(gaps_m1.max()) if n > 1 else 0
+    gaps_size = 9 + (n - 1) * min_width(gap_max)
     bits = split_bits((span - n) / (n - 1)) if n > 1 else 0
     if bits:
-        gaps_size = 10 + (n - 1) * (1 + min_width(int(gaps_m1.max()) >> bits))
+        gaps_size = 10 + (n - 1) * (1 + min_width(gap_max >> bits))
     bitmap_size = 16 + (span + 7) // 8
-    breaks = np.flatnonzero(diffs != 1)
-    runs = int(breaks.shape[0]) + 1
+    in_run = diffs == 1
+    runs = n - int(np.count_nonzero(in_run))  # counted, not listed: listing costs ~5x more
     ranges_size = n * 16 + 19  # more than any other coding: ranges only pay for long runs
     if runs * 2 < n:
+        breaks = np.flatnonzero(~in_run)
         run_starts_pos = np.concatenate(([0], breaks + 1))
         run_ends_pos = np.concatenate((breaks, [n - 1]))
         starts = indices[run_starts_pos]
@@ -182,7 +165,9 @@ def encode_location_parts(indices: np.ndarray, *, paper: bool = False) -> tuple[
         ranges_size = 18 + runs * (ws + wl)
     best = min(gaps_size, bitmap_size, ranges_size)
     if best == gaps_size:
-        return _split_parts(indices, gaps_m1, bits) if bits else _gaps_parts(indices, gaps_m1)
+        if bits:
+            return _split_parts(indices, gaps_m1, bits)
+        return _gaps_parts(indices, gaps_m1, gap_max=gap_max)
     if best == bitmap_size:
         base = int(indices[0])
         bits_set = np.zeros(span, dtype=np.uint8)
@@ -194,7 +179,7 @@ def encode_location_parts(indices: np.ndarray, *, paper: bool = False) -> tuple[
 
 
 def _width(byte: int, field: str) -> int:
-    if byte not in _U:
+    if byte not in (1, 2, 4, 8):
         raise ValueError(f"{field}: width {byte} not in (1, 2, 4, 8)")
     return byte
 
@@ -245,6 +230,21 @@ def decode_locations(code: int, buf: memoryview | bytes, count: int, numel: int)
             raise ValueError(f"locations.gaps.first: {first} >= numel {numel}")
         gaps = from_planes(buf[9:], count - 1, width)
         _check_bounded(gaps, numel, "locations.gaps")
+        out = np.empty(count, dtype=np.int64)
+        out[0] = first
+        np.cumsum(gaps.astype(np.int64) + 1, out=out[1:])
+        out[1:] += first
+    elif code == SPARSE_GAPS:
+        if len(buf) < 9:
+            raise ValueError("locations.sparse_gaps: section shorter than its 9-byte head")
+        width = _width(buf[0], "locations.sparse_gaps.width")
+        if count == 0:
+            raise ValueError("locations.sparse_gaps: empty items use the ranges encoding")
+        first = int.from_bytes(buf[1:9], "little")
+        if first >= numel:
+            raise ValueError(f"locations.sparse_gaps.first: {first} >= numel {numel}")
+        gaps = decode_splanes(buf[9:], count - 1, width, "locations.sparse_gaps")
+        _check_bounded(gaps, numel, "locations.sparse_gaps")
         out = np.empty(count, dtype=np.int64)
         out[0] = first
         np.cumsum(gaps.astype(np.int64) + 1, out=out[1:])

@@ -33,7 +33,7 @@ def test_version_json() -> None:
     r = _dcr("version", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    assert info["format_version"] == 1 and info["megatron-core"] == "0.16.1"
+    assert info["format_version"] == 2 and info["megatron-core"] == "0.16.1"
     assert info["vllm"].startswith("0.32.0")
 
 

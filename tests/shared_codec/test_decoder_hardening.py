@@ -109,7 +109,7 @@ def test_specific_rejections_name_the_field() -> None:
     good = encode_payload(_items(), META)
     cases = {
         "magic": lambda b: b.__setitem__(slice(0, 4), b"XXXX"),
-        "format_version": lambda b: b.__setitem__(slice(4, 6), struct.pack("<H", 2)),
+        "format_version": lambda b: b.__setitem__(slice(4, 6), struct.pack("<H", 3)),
         "flags": lambda b: b.__setitem__(slice(6, 8), struct.pack("<H", 0x80)),
     }
     for field, mutate in cases.items():

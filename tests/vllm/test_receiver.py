@@ -149,7 +149,7 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     assert [(i["ok"], i["rank"]) for i in info] == [(True, k) for k in range(ranks)], info
     for rep in r["prewarm"]:
         assert rep["unsupported"] == {}, rep["unsupported"]
-        assert rep["format_version"] == 1 and rep["tensors"] > 0
+        assert rep["format_version"] == 2 and rep["tensors"] > 0
         # the post-load step was traced and derives nothing from these families' weights
         # (tests/vllm/test_derived.py: an MLA model where it does)
         assert rep["derived"]["traced"] and rep["derived"]["tensors"] == [], rep["derived"]
