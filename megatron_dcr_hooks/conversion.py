@@ -147,9 +147,12 @@ def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 def conversion_tasks(
-    model: Any, architecture: str, groups: ParallelGroups | None = None
+    model: Any, architecture: str | Mapping[str, Any], groups: ParallelGroups | None = None
 ) -> list[ParamTask]:
     """Resolve every parameter of the pipeline group against the bridge registry.
+
+    `architecture`: an HF architecture name or the HF config dict (required by bridges that
+    build their registry from the config: ``bridge_registry.mapping_registry_for``).
 
     `model`: one model or this rank's list of model chunks (virtual pipeline stages).
     `groups`: the job's process groups (the expert-parallel position names local experts by
@@ -163,12 +166,17 @@ def conversion_tasks(
     groups = groups or ParallelGroups.from_megatron()
     chunks = model if isinstance(model, (list, tuple)) else [model]
     registry = bridge_registry.mapping_registry_for(architecture)
+    name = (
+        architecture
+        if isinstance(architecture, str)
+        else bridge_registry.architecture_of(architecture)
+    )
 
     def mapping_of(gname: str) -> Any:
         mapping = registry.megatron_to_hf_lookup(gname)
         if mapping is None:
             raise ValueError(
-                f"megatron-bridge registry for {architecture!r} has no mapping for parameter "
+                f"megatron-bridge registry for {name!r} has no mapping for parameter "
                 f"{gname!r}; extend the bridge registry, not DCR"
             )
         return mapping
@@ -223,7 +231,7 @@ def conversion_tasks(
 
 
 def load_hf_weights(
-    model: Any, architecture: str, hf_tensor: Callable[[str], torch.Tensor]
+    model: Any, architecture: str | Mapping[str, Any], hf_tensor: Callable[[str], torch.Tensor]
 ) -> list[ParamTask]:
     """Load canonical tensors into this rank's shards (every rank calls; collectives inside).
 
@@ -251,7 +259,9 @@ def load_hf_weights(
     return tasks
 
 
-def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_export(
+    model: Any, architecture: str | Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield canonical (name, tensor) pairs converted from the Megatron shards.
 
     Every rank must iterate to the end (collectives). Each rank yields every canonical tensor
@@ -271,7 +281,7 @@ def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.T
                 yield name, tensor.detach().clone().contiguous()
 
 
-def export_hf_weights(model: Any, architecture: str) -> dict[str, torch.Tensor]:
+def export_hf_weights(model: Any, architecture: str | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """All canonical tensors of `model` as a dict (every rank calls; see `iter_hf_export`)."""
     return dict(iter_hf_export(model, architecture))
 

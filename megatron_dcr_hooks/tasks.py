@@ -28,7 +28,7 @@ Limitations:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -133,7 +133,7 @@ def _probe(pt: ParamTask, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
 
 def build_tasks(
     model: Any,
-    architecture: str,
+    architecture: str | Mapping[str, Any],
     groups: ParallelGroups,
     *,
     force_residual: tuple[str, ...] = (),
