@@ -60,7 +60,7 @@ def main() -> None:
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
-    from shared_codec.checkpoint import bits_equal, save_checkpoint
+    from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
     from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
@@ -81,12 +81,13 @@ def main() -> None:
         "bucket_bytes": 4096,
         "wrap_step": False,
         "force_residual": force,
+        "hf_config": cfg,  # DeepSeek-V3's bridge builds its mapping registry from the config
     }
     chunks = trainer.chunks  # DDP-wrapped, as a Megatron training loop holds them
     hooks = {m: DCRHook(chunks, DCRConfig(mode=m, **common)) for m in ("P", "F")}
     # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
     hooks["X"] = enable_dcr(chunks, opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
-    v0 = export_hf_weights(model, mtype)
+    v0 = export_hf_weights(model, cfg)
 
     def train_step(step: int) -> None:
         trainer.step(step)  # opt.step is wrapped: hook X builds its delta after the step
@@ -97,7 +98,7 @@ def main() -> None:
         if args.overlap_param_gather:
             for c in trainer.chunks:
                 c.start_param_sync(force_sync=True)
-        return export_hf_weights(model, mtype)
+        return export_hf_weights(model, cfg)
 
     train_step(0)
     reports = {"X": hooks["X"].last_report}
@@ -186,6 +187,8 @@ def main() -> None:
             "quiet_items": int(quiet_items[0]),
             "skip": skip,
             "retry_overwrite_only": None,
+            # checkpoint tensors the export does not produce (DCR converts parameters only)
+            "not_exported": sorted(set(load_checkpoint(args.ckpt)) - set(v0)),
         }
         for m in ("X", "P", "F"):
             items = load(f"v1_{m}")
