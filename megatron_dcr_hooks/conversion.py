@@ -141,6 +141,24 @@ def global_param_name(local_name: str, config: Any, ep_rank: int, ep_size: int) 
     return local_name[: m.start(1)] + str(global_idx) + local_name[m.end(1) :]
 
 
+def _params_and_persistent_buffers(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters, then persistent buffers (state-dict tensors that are no parameters, e.g. an
+    MoE router's ``expert_bias``, updated outside the optimizer), as megatron-bridge's own
+    conversion iterates them (``persistent_buffers`` in its conversion utils)."""
+    yield from root.named_parameters()
+    for prefix, module in root.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def _global_name(root: torch.nn.Module, local_name: str, groups: ParallelGroups) -> str:
+    return global_param_name(
+        global_layer_name(root, local_name), root.config, groups.ep.rank, groups.ep.size
+    )
+
+
 def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
     module_name = name.rpartition(".")[0]
     return root.get_submodule(module_name) if module_name else root
@@ -185,9 +203,13 @@ def conversion_tasks(
     for chunk, wrapped in enumerate(chunks):
         root = unwrap(wrapped)
         config = root.config
-        for local_name, param in root.named_parameters():
+        for local_name, param in _params_and_persistent_buffers(root):
             if "_extra_state" in local_name:
                 continue
+            if not isinstance(param, torch.nn.Parameter) and (
+                registry.megatron_to_hf_lookup(_global_name(root, local_name, groups)) is None
+            ):
+                continue  # a buffer that is no checkpoint tensor (the bridge skips it too)
             if local_name.startswith("output_layer.") and getattr(
                 root, "share_embeddings_and_output_weights", False
             ):

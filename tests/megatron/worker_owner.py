@@ -61,6 +61,7 @@ def main() -> None:
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
     from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
+    from shared_codec.dtypes import tensor_bits
     from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
@@ -201,12 +202,8 @@ def main() -> None:
             state = {k: v.clone() for k, v in v0.items()}
             apply_items(state, items)
             bad = [n for n in v1 if not bits_equal(state[n], v1[n])]
-            changed = sum(
-                int((v0[n].view(torch.int16) != v1[n].view(torch.int16)).sum())
-                if v0[n].element_size() == 2
-                else 0
-                for n in v0
-            )
+            # every dtype (DeepSeek-V3's router bias is an fp32 buffer), compared as stored bits
+            changed = sum(int((tensor_bits(v0[n]) != tensor_bits(v1[n])).sum()) for n in v0)
             result[m] = {
                 "items": len(items),
                 "entries": sum(i.count for i in items),
@@ -214,6 +211,7 @@ def main() -> None:
                 "duplicate_destinations": dup,
                 "mismatched_tensors": bad,
                 "canonical_changed_elements": changed,
+                "canonical_elements": sum(t.numel() for t in v1.values()),
                 "tensors": len(v1),
             }
         a0, rt = load("v2_attempt0"), load("v2_retry")
