@@ -46,7 +46,7 @@ class ParamTask:
 
     local_name: str | None
     global_name: str
-    param: torch.nn.Parameter | None
+    param: torch.Tensor | None  # a parameter, or a persistent buffer the bridge maps
     module: torch.nn.Module | None
     mapping: Any
     chunk: int | None = None
@@ -147,7 +147,7 @@ def _params_and_persistent_buffers(root: torch.nn.Module) -> Iterator[tuple[str,
     conversion iterates them (``persistent_buffers`` in its conversion utils)."""
     yield from root.named_parameters()
     for prefix, module in root.named_modules():
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in skip:
                 yield (f"{prefix}.{name}" if prefix else name), buf
@@ -171,6 +171,9 @@ def conversion_tasks(
 
     `architecture`: an HF architecture name or the HF config dict (required by bridges that
     build their registry from the config: ``bridge_registry.mapping_registry_for``).
+    Persistent buffers the registry maps (an MoE router's ``expert_bias``) are tasks like
+    parameters, as in megatron-bridge's own conversion; unmapped buffers are not checkpoint
+    tensors and are skipped.
 
     `model`: one model or this rank's list of model chunks (virtual pipeline stages).
     `groups`: the job's process groups (the expert-parallel position names local experts by

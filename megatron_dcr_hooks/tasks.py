@@ -97,8 +97,8 @@ class Task:
         return self.param_task.param is not None
 
     @property
-    def param(self) -> torch.nn.Parameter:
-        """This rank's shard (local tasks only)."""
+    def param(self) -> torch.Tensor:
+        """This rank's shard (local tasks only): a parameter or a mapped persistent buffer."""
         p = self.param_task.param
         assert p is not None, f"{self.name} is held by another pipeline stage"
         return p
