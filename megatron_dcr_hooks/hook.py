@@ -58,7 +58,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import StrEnum
@@ -99,6 +99,11 @@ class DCRConfig:
     `architecture`: the HF architecture whose megatron-bridge bridge converts the model
     (``bridge_registry.architecture_of(config.json)``, e.g. "LlamaForCausalLM"); a
     ``model_type`` that exactly one bridge registers ("qwen3") also resolves.
+    `hf_config`: the model's HF config (config.json as a dict), handed to the bridge when it
+    builds its mapping registry from the config (megatron-bridge 0.6: DeepSeek-V3 and others;
+    without it such a bridge raises `CompatibilityError` naming it). When given, the tasks
+    resolve the bridge from it (its ``architectures``, as `architecture` is derived), so the
+    two must describe the same model.
     `mode`: `ConstructionMode` or its letter "X" (default), "P" or "F" (converted here; any
     other value raises ValueError). `bucket_bytes`: raw record bytes per payload.
     `key`: shared secret for keyed payload digests. `paper_codec`: the paper's plain streams.
@@ -125,6 +130,7 @@ class DCRConfig:
     encode_threads: int = 2
     sink: Sink | None = None
     candidate_guard: bool = True
+    hf_config: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -219,7 +225,10 @@ class DCRHook:
         self.world = self.groups.world.size
         self.payloads: list[bytes] = []
         self.tasks: list[Task] = build_tasks(
-            self.chunks, config.architecture, self.groups, force_residual=config.force_residual
+            self.chunks,
+            config.architecture if config.hf_config is None else config.hf_config,
+            self.groups,
+            force_residual=config.force_residual,
         )
         self.owned = [t for t in self.tasks if t.local and owns(t, self.groups)]
         self.owned_idx = {t.index for t in self.owned}

@@ -28,7 +28,7 @@ Limitations:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -97,8 +97,8 @@ class Task:
         return self.param_task.param is not None
 
     @property
-    def param(self) -> torch.nn.Parameter:
-        """This rank's shard (local tasks only)."""
+    def param(self) -> torch.Tensor:
+        """This rank's shard (local tasks only): a parameter or a mapped persistent buffer."""
         p = self.param_task.param
         assert p is not None, f"{self.name} is held by another pipeline stage"
         return p
@@ -133,7 +133,7 @@ def _probe(pt: ParamTask, ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
 
 def build_tasks(
     model: Any,
-    architecture: str,
+    architecture: str | Mapping[str, Any],
     groups: ParallelGroups,
     *,
     force_residual: tuple[str, ...] = (),

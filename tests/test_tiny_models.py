@@ -56,6 +56,7 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
         ("qwen3-moe", moe),
         ("llama", llama),
         ("qwen2", qwen2),
+        ("deepseek-v3", load_checkpoint(tiny_models["deepseek-v3"])),
     ):
         shapes = canonical_shapes(spec_for(kind))
         assert {n: tuple(t.shape) for n, t in weights.items()} == shapes
@@ -79,7 +80,11 @@ def test_loads_offline_with_transformers(tiny_models: dict[str, Path]) -> None:
         for name, t in ckpt.items():
             if ".mlp.experts." in name:
                 continue  # transformers 5 fuses experts into one [E, ...] parameter
-            assert tensor_digest(state[name]) == tensor_digest(t), name
+            got = state[name]
+            if got.dtype != t.dtype:  # DeepSeek-V3's router bias is kept in fp32 (widened)
+                assert got.element_size() > t.element_size(), name
+                got = got.to(t.dtype)  # a widening round-trips exactly
+            assert tensor_digest(got) == tensor_digest(t), name
             checked += 1
         assert checked >= len(ckpt) // 4
 

@@ -9,9 +9,30 @@ Megatron trainer ranks on CPU. Production training stacks build their own models
 NeMo, Megatron-Bridge providers); DCR only needs the model chunks and the optimizer they have.
 
 Limitations:
-1. GPT-style families whose provider is ``GPTModelProvider`` and whose norm is RMSNorm
-   (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE); MLA, Mamba and other provider
-   classes raise ValueError naming the provider.
+1. GPT-style families whose provider is ``GPTModelProvider`` or ``MLAModelProvider`` and whose
+   norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE; owner side:
+   DeepSeek-V3 with multi-latent attention, dense first layers and shared experts); Mamba and
+   other provider classes raise ValueError naming the provider. MLA families get megatron's
+   ``MLATransformerConfig`` and per-layer local specs (``get_gpt_decoder_block_spec`` without
+   Transformer Engine: dense or MoE layers from ``moe_layer_freq``); shared-expert overlap
+   (CUDA streams) is off. megatron-core's local MLA spec names the local
+   ``DotProductAttention`` as core attention, but ``MLASelfAttention`` builds it with
+   ``k_channels`` / ``v_channels``, which that class does not take (``TypeError`` in 0.19.2 and
+   0.16.1: megatron/core/transformer/multi_latent_attention.py builds it with them,
+   dot_product_attention.py ``__init__`` has no such arguments); `mla_core_attention` is that
+   class with the two arguments (its maths already allows a query/key head size other than the
+   value head size). megatron-core 0.19.2 also resolves MLA's Q/KV norms itself
+   (``mla_qk_norm_config.QKNormConfigResolver``): with ``qk_layernorm`` and no query LoRA it
+   demands a fused norm+linear ``linear_q_proj`` (Transformer Engine's; the local backend has
+   none), so `mla_self_attention` builds the spec's own unfused local modules, as 0.16.1 does
+   (separate ``kv_layernorm``, plain ``linear_q_proj``; the bridge maps these local names).
+   megatron-core 0.16.1 without Transformer Engine cannot build ``MLASelfAttention`` at all:
+   its ``extensions/transformer_engine.py`` (lines 61-77) replaces the missing ``te`` with a
+   ``MagicMock``, so multi_latent_attention.py's ``from ...transformer_engine import TELinear``
+   succeeds (``HAVE_TE = True``, lines 54-63) with a mock instead of a class, and
+   ``isinstance(self.linear_proj, TELinear)`` (line 185) raises ``TypeError``;
+   `mla_self_attention` sets that module's ``HAVE_TE`` to False when its ``TELinear`` is not
+   a class (Transformer Engine is absent, so nothing it guards can apply).
 2. Pipeline parallelism builds one chunk per virtual stage (`build_gpt_chunks`); MoE with TP>1
    turns on sequence parallelism (megatron requires it; ``sp=True`` turns it on for dense
    models too) and every norm is ``cpu_compat.SPRMSNorm``.
@@ -105,6 +126,7 @@ _CPU_SETTINGS: dict[str, Any] = {
     "bias_dropout_fusion": False,
     "apply_rope_fusion": False,
     "gradient_accumulation_fusion": False,
+    "cross_entropy_loss_fusion": False,  # DeepSeek's provider asks for TE's fused loss
     "attention_softmax_in_fp32": True,
 }
 
@@ -117,6 +139,12 @@ _CPU_MOE_SETTINGS: dict[str, Any] = {
     "moe_router_dtype": "fp32",
     "moe_permute_fusion": False,
 }
+
+#: MLA choices: shared-expert overlap runs the shared expert on a side CUDA stream.
+_CPU_MLA_SETTINGS: dict[str, Any] = {"moe_shared_expert_overlap": False}
+
+#: Provider classes the CPU builder covers.
+_PROVIDERS = (None, "GPTModelProvider", "MLAModelProvider")
 
 #: Provider fields that are GPTModel arguments, not TransformerConfig fields.
 _MODEL_ARGS = (
@@ -139,10 +167,10 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
     from megatron_dcr_hooks.bridge_registry import provider_record, resolve
 
     reg = resolve(hf_config)
-    if reg.provider not in (None, "GPTModelProvider"):
+    if reg.provider not in _PROVIDERS:
         raise ValueError(
             f"{reg.architecture}: the bridge builds it with {reg.provider}; the CPU builder "
-            "covers GPTModelProvider families only"
+            "covers GPTModelProvider and MLAModelProvider families only"
         )
     record = vars(provider_record(hf_config)).copy()
     record.pop("provider_class", None)
@@ -167,10 +195,15 @@ def transformer_config_from_hf(
     CPU settings above, the parallel layout, then `overrides`."""
     import dataclasses
 
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     settings = provider_settings(hf_config)
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    mla = bool(settings.get("multi_latent_attention"))
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    fields = {f.name for f in dataclasses.fields(config_class)}
     kwargs = {k: v for k, v in settings.items() if k in fields}
     moe = int(kwargs.get("num_moe_experts") or 0) > 0
     kwargs.update(_CPU_SETTINGS)
@@ -190,8 +223,10 @@ def transformer_config_from_hf(
         kwargs["expert_tensor_parallel_size"] = layout.etp
     else:
         kwargs["num_moe_experts"] = None
+    if mla:
+        kwargs.update(_CPU_MLA_SETTINGS)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def layer_spec(config: Any) -> Any:
@@ -214,6 +249,104 @@ def layer_spec(config: Any) -> Any:
         attn.q_layernorm = SPRMSNorm
         attn.k_layernorm = SPRMSNorm
     return spec
+
+
+_MLA_CORE_ATTENTION: list[type] = []
+
+
+def mla_core_attention() -> type:
+    """megatron-core's local ``DotProductAttention`` taking MLA's ``k_channels`` (query/key head
+    size, used by the caller's explicit ``softmax_scale``) and ``v_channels`` (value head size:
+    the output is ``heads per partition x v_channels`` wide instead of ``kv_channels x heads``).
+    Module docstring, limitation 1."""
+    if _MLA_CORE_ATTENTION:
+        return _MLA_CORE_ATTENTION[0]
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(
+            self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+            **kwargs: Any,
+        ) -> None:  # fmt: skip
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+
+    _MLA_CORE_ATTENTION.append(MLADotProductAttention)
+    return MLADotProductAttention
+
+
+_MLA_SELF_ATTENTION: list[type] = []
+
+
+def mla_self_attention() -> type:
+    """megatron-core's ``MLASelfAttention`` building the layer spec's own unfused local modules
+    (``linear_q_proj``, ``linear_q_up_proj``, ``linear_kv_up_proj``, ``q_layernorm``,
+    ``kv_layernorm``) instead of 0.19.2's resolution into fused norm+linear projections, which
+    the local backend does not have (module docstring, limitation 1). On megatron-core
+    versions without that resolution (0.16.1) it is ``MLASelfAttention`` unchanged."""
+    if _MLA_SELF_ATTENTION:
+        return _MLA_SELF_ATTENTION[0]
+    from megatron.core.transformer import multi_latent_attention as mla_module
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if getattr(mla_module, "HAVE_TE", False) and not isinstance(
+        getattr(mla_module, "TELinear", None), type
+    ):
+        mla_module.HAVE_TE = False  # a MagicMock stand-in, not Transformer Engine (0.16.1)
+
+    class LocalMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+            return {
+                name: getattr(submodules, name)
+                for name in (
+                    "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm",
+                    "kv_layernorm",
+                )
+            }  # fmt: skip
+
+    _MLA_SELF_ATTENTION.append(LocalMLASelfAttention)
+    return LocalMLASelfAttention
+
+
+def block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """The block spec of this rank's layers (pipeline stage `vp_stage`): the local layer spec
+    with SP-aware RMSNorm everywhere, the final norm included. MLA families take megatron's own
+    per-layer local specs (dense or MoE per ``moe_layer_freq``: ``get_gpt_decoder_block_spec``
+    without Transformer Engine), the others one `layer_spec` for every layer."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from megatron_dcr_hooks.cpu_compat import SPRMSNorm
+
+    if not getattr(config, "multi_latent_attention", False):
+        n = get_num_layers_to_build(config, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer_spec(config)] * n, layer_norm=SPRMSNorm
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    for spec in block.layer_specs:
+        sub = spec.submodules
+        sub.input_layernorm = SPRMSNorm
+        sub.pre_mlp_layernorm = SPRMSNorm
+        sub.self_attention.module = mla_self_attention()
+        attn = sub.self_attention.submodules
+        attn.core_attention = mla_core_attention()
+        if attn.kv_layernorm is not IdentityOp:
+            attn.kv_layernorm = SPRMSNorm
+        # the query norm exists with a query LoRA only (megatron refuses an unused one)
+        attn.q_layernorm = SPRMSNorm if config.q_lora_rank is not None else IdentityOp
+    block.layer_norm = SPRMSNorm
+    return block
 
 
 def model_process_groups(layout: ParallelLayout) -> Any:
@@ -281,12 +414,6 @@ def build_gpt_model(
     groups; default `model_process_groups(layout)` (a collective call with ``cp > 1``).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
-    from megatron_dcr_hooks.cpu_compat import SPRMSNorm
 
     settings = provider_settings(hf_config)
     if config is None:
@@ -299,14 +426,10 @@ def build_gpt_model(
     rope: dict[str, Any] = {}
     if settings.get("rope_scaling"):
         rope = {"rope_scaling": True, "rope_scaling_factor": settings["rope_scaling_factor"]}
-    # A block spec (not a layer spec) so the final norm is SPRMSNorm too.
-    block = TransformerBlockSubmodules(
-        layer_specs=[layer_spec(config)] * get_num_layers_to_build(config, vp_stage=vp_stage),
-        layer_norm=SPRMSNorm,
-    )
     return GPTModel(
         config=config,
-        transformer_layer_spec=block,
+        # a block spec (not a layer spec) so the final norm is SPRMSNorm too
+        transformer_layer_spec=block_spec(config, vp_stage),
         vocab_size=vocab,
         max_sequence_length=int(settings.get("seq_length", 4096)),
         pre_process=pre_process,

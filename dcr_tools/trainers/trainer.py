@@ -46,7 +46,6 @@ def start_chunks(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from dcr_tools.trainers.model import build_gpt_chunks
-    from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import hf_getter, load_hf_weights
     from shared_codec.checkpoint import load_checkpoint
 
@@ -55,7 +54,8 @@ def start_chunks(
     cfg = json.loads((Path(ckpt) / "config.json").read_text())
     hf = load_checkpoint(ckpt)
     chunks = build_gpt_chunks(cfg, layout, **overrides)
-    load_hf_weights(chunks, architecture_of(cfg), hf_getter(hf))
+    # the config, not only its architecture: some bridges build their registry from it
+    load_hf_weights(chunks, cfg, hf_getter(hf))
     return cfg, chunks, hf
 
 

@@ -196,8 +196,17 @@ def test_provider_settings_come_from_the_bridge() -> None:
     # a family the CPU builder does not cover says which provider it needs
     from dcr_tools.trainers.model import provider_settings
 
-    with pytest.raises(ValueError, match="MLAModelProvider"):
-        provider_settings(_cfg("DeepseekV3ForCausalLM", kv_lora_rank=16, q_lora_rank=None))
+    with pytest.raises(ValueError, match="Gemma3ModelProvider"):
+        provider_settings(_cfg("Gemma3ForCausalLM"))
+    # an MLA family is covered: no query LoRA stays None (not MLATransformerConfig's 512), and
+    # RoPE without YaRN is unscaled, as the real base provider_bridge sets them
+    from dcr_tools.fixtures import MLA_CONFIG
+
+    mla = provider_settings(MLA_CONFIG)
+    assert mla["multi_latent_attention"] and mla["q_lora_rank"] is None
+    assert (mla["kv_lora_rank"], mla["qk_pos_emb_head_dim"], mla["v_head_dim"]) == (512, 64, 512)
+    assert (mla["rotary_scaling_factor"], mla["mscale_all_dim"]) == (1.0, 1.0)
+    assert mla["position_embedding_type"] == "rope"
     # YaRN (GPT-OSS) is refused, whether the config carries it as rope_scaling or (transformers
     # 5) rope_parameters, and a non-RoPE position embedding set by a bridge is refused too
     from shared_codec.errors import CompatibilityError

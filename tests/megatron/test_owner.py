@@ -18,6 +18,12 @@ import pytest
 from dcr_tools.procs import run_torchrun
 
 WORKER = Path(__file__).with_name("worker_owner.py")
+
+
+def _slow(case: tuple) -> Any:
+    return pytest.param(case, marks=pytest.mark.slow)
+
+
 CASES = [
     ("tp2", "qwen3", 2, 1, []),
     ("dp2-distopt", "qwen3", 1, 1, ["--distributed-optimizer"]),
@@ -26,13 +32,50 @@ CASES = [
     ("tied-tp2", "qwen3-tied", 2, 1, []),
     ("llama-tp2", "llama", 2, 1, []),  # Llama-3 style: untied, no QK-norm
     ("qwen2-tp2", "qwen2", 2, 1, []),  # Qwen2: QKV biases
+    # DeepSeek-V3: MLA, a dense first layer, routed + shared experts; MoE with TP=2 turns on
+    # SP, experts are TP-split (ETP=TP); the router's expert bias is a persistent fp32 buffer
+    # updated outside the optimizer. ~50-90 s here (MLA's 512-wide latent), so slow lane
+    _slow(("deepseek-v3-tp2", "deepseek-v3", 2, 1, [])),
 ]
+
+#: kind -> (oldest megatron-bridge that converts its CPU model, why older ones do not)
+NEEDS_BRIDGE = {
+    "deepseek-v3": (
+        "0.4",
+        "megatron-bridge 0.3.1's DeepSeek mappings (models/deepseek/common.py) cover grouped-GEMM "
+        "experts (experts.linear_fc1.weight*) only, not the local SequentialMLP experts "
+        "(experts.local_experts.*) the CPU builder makes",
+    )
+}
+
+
+def _trainer_bridge_version() -> str:
+    """megatron-bridge's version in the interpreter trainer ranks run on."""
+    import subprocess
+
+    from dcr_tools.procs import trainer_python
+
+    probe = "from importlib.metadata import version; print(version('megatron-bridge'))"
+    out = subprocess.run(
+        [trainer_python(), "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    return out.stdout.strip()
+
+
+def _case_id(case) -> str:
+    return (case.values[0] if hasattr(case, "values") else case)[0]
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_owner_records_reproduce_the_bridge_export(case, tiny_models, tmp_path: Path) -> None:
     _, kind, tp, ep, extra = case
+    if kind in NEEDS_BRIDGE:
+        from packaging.version import Version
+
+        oldest, why = NEEDS_BRIDGE[kind]
+        if Version(_trainer_bridge_version()) < Version(oldest):
+            pytest.skip(why)
     report = tmp_path / "report.json"
     run_torchrun(
         WORKER,
@@ -40,7 +83,9 @@ def test_owner_records_reproduce_the_bridge_export(case, tiny_models, tmp_path: 
          "--dir", str(tmp_path / "p"), "--report", str(report), *extra],
         tmp=tmp_path,
     )  # fmt: skip
-    _check_report(json.loads(report.read_text()), extra)
+    r = json.loads(report.read_text())
+    _check_report(r, extra)
+    assert r["not_exported"] == []  # every checkpoint tensor is converted (buffers included)
 
 
 def _check_report(r: dict, extra: list[str]) -> None:
@@ -65,13 +110,9 @@ def _check_report(r: dict, extra: list[str]) -> None:
             assert x["affine_share"] == 1.0 and x["residual_tasks"] == 0
         assert 0 < x["build"]["element_change_rate"] <= 1
     # ownership: exactly one owner per unique source element, so the ranks' owned elements add
-    # up to the canonical element count (all BF16)
+    # up to the canonical element count
     owned = sum(info["X"]["build"]["owned_elements"] for info in r["ranks"])
-    assert owned * 2 == r["ranks"][0]["X"]["canonical_bytes"]
-
-
-def _slow(case: tuple) -> Any:
-    return pytest.param(case, marks=pytest.mark.slow)
+    assert owned == r["X"]["canonical_elements"]
 
 
 _TP2_EP2_ETP2 = ["--tp", "2", "--ep", "2", "--etp", "2"]
@@ -104,12 +145,8 @@ LAYOUTS = [
 ]
 
 
-def _layout_id(case) -> str:
-    return (case.values[0] if hasattr(case, "values") else case)[0]
-
-
 @pytest.mark.megatron
-@pytest.mark.parametrize("case", LAYOUTS, ids=[_layout_id(c) for c in LAYOUTS])
+@pytest.mark.parametrize("case", LAYOUTS, ids=[_case_id(c) for c in LAYOUTS])
 def test_owner_parallel_layouts(case, tiny_models, tmp_path: Path) -> None:
     _, kind, layers, ranks, extra = case
     ckpt = tiny_models[kind]

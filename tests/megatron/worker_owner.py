@@ -60,7 +60,8 @@ def main() -> None:
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
-    from shared_codec.checkpoint import bits_equal, save_checkpoint
+    from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
+    from shared_codec.dtypes import tensor_bits
     from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
@@ -81,12 +82,13 @@ def main() -> None:
         "bucket_bytes": 4096,
         "wrap_step": False,
         "force_residual": force,
+        "hf_config": cfg,  # DeepSeek-V3's bridge builds its mapping registry from the config
     }
     chunks = trainer.chunks  # DDP-wrapped, as a Megatron training loop holds them
     hooks = {m: DCRHook(chunks, DCRConfig(mode=m, **common)) for m in ("P", "F")}
     # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
     hooks["X"] = enable_dcr(chunks, opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
-    v0 = export_hf_weights(model, mtype)
+    v0 = export_hf_weights(model, cfg)
 
     def train_step(step: int) -> None:
         trainer.step(step)  # opt.step is wrapped: hook X builds its delta after the step
@@ -97,7 +99,7 @@ def main() -> None:
         if args.overlap_param_gather:
             for c in trainer.chunks:
                 c.start_param_sync(force_sync=True)
-        return export_hf_weights(model, mtype)
+        return export_hf_weights(model, cfg)
 
     train_step(0)
     reports = {"X": hooks["X"].last_report}
@@ -186,6 +188,8 @@ def main() -> None:
             "quiet_items": int(quiet_items[0]),
             "skip": skip,
             "retry_overwrite_only": None,
+            # checkpoint tensors the export does not produce (DCR converts parameters only)
+            "not_exported": sorted(set(load_checkpoint(args.ckpt)) - set(v0)),
         }
         for m in ("X", "P", "F"):
             items = load(f"v1_{m}")
@@ -198,12 +202,8 @@ def main() -> None:
             state = {k: v.clone() for k, v in v0.items()}
             apply_items(state, items)
             bad = [n for n in v1 if not bits_equal(state[n], v1[n])]
-            changed = sum(
-                int((v0[n].view(torch.int16) != v1[n].view(torch.int16)).sum())
-                if v0[n].element_size() == 2
-                else 0
-                for n in v0
-            )
+            # every dtype (DeepSeek-V3's router bias is an fp32 buffer), compared as stored bits
+            changed = sum(int((tensor_bits(v0[n]) != tensor_bits(v1[n])).sum()) for n in v0)
             result[m] = {
                 "items": len(items),
                 "entries": sum(i.count for i in items),
@@ -211,6 +211,7 @@ def main() -> None:
                 "duplicate_destinations": dup,
                 "mismatched_tensors": bad,
                 "canonical_changed_elements": changed,
+                "canonical_elements": sum(t.numel() for t in v1.values()),
                 "tensors": len(v1),
             }
         a0, rt = load("v2_attempt0"), load("v2_retry")
