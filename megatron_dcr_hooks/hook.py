@@ -17,9 +17,11 @@ Candidate guard (paper Proposition 1 assumes the candidate stays fixed until the
 build records a 20-byte fingerprint per owned shard of what it built from (SHA-1 of the
 changed indices and their new stored bits against the tracker; of the whole shard in mode F).
 `verify_candidate` recomputes them; `commit()` and an overwrite retry call it first and raise
-`CandidateChanged` naming the moved parameters instead of advancing a baseline the engines do
-not hold or re-emitting a different candidate. The coordinator asks the owners to verify before
-its compare-and-set, so a trainer that stepped between build and commit gets nothing committed.
+`CandidateChanged` naming the moved parameters instead of committing a version the trainer no
+longer holds or re-emitting a different candidate. The coordinator asks the owners to verify
+before its compare-and-set, so a trainer that stepped between build and commit gets nothing
+committed; after the compare-and-set its owner service commits with ``verify=False`` (the
+record is durable: owners advance to the built candidate, which is what the engines hold).
 Async trainers must not step between ``build`` and the commit (or build again afterwards).
 
 Modes (paper Table 3, `ConstructionMode`): X = projection + mixed XOR/overwrite (default),
@@ -44,9 +46,11 @@ updated values, as Megatron-LM does before saving a checkpoint; the next forward
 the parameters already in sync.
 
 Limitations:
-1. Trackers are host copies, and so is detection: each build, candidate verify and commit
-   copies every owned shard to host memory (on a GPU: one device -> host copy of the owned
-   shards) and the compiled scan (shared_codec.kernels) compares it there with the tracker.
+1. Trackers are host copies, and so is detection: each build and candidate verify copies
+   every owned shard to host memory (on a GPU: one device -> host copy of the owned shards)
+   and the compiled scan (shared_codec.kernels) compares it there with the tracker. `commit`
+   reads no shard: it scatters the build's recorded changed indices and new bits into the
+   trackers (held from build to commit: ~10 bytes of host memory per changed element).
 2. The lazy gather is finished only on chunks given DDP-wrapped (``start_param_sync``); pass
    the chunks as the training loop holds them, not the bare GPTModels.
 """
@@ -76,7 +80,7 @@ from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig, BucketEncod
 from shared_codec.dtypes import dtype_of, tensor_bits
 from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
 from shared_codec.format import PayloadMeta
-from shared_codec.kernels import changed_indices, warm_up
+from shared_codec.kernels import changed_indices, set_scatter, warm_up
 from shared_codec.records import DeltaItem, Kind, make_item
 
 Sink = Callable[[bytes], None]
@@ -238,8 +242,13 @@ class DCRHook:
         # trackers: committed stored bits of owned shards (affine tasks are projected from
         # them; owned residual tasks only use them for the changed flag)
         self.trackers: dict[int, torch.Tensor] = {
-            t.index: t.param.detach().to("cpu", copy=True) for t in self.owned if not full
+            t.index: t.param.detach().to("cpu", copy=True).contiguous()
+            for t in self.owned
+            if not full
         }
+        # the last build's candidate per tracked shard that changed: (changed indices, their
+        # new stored bits); `commit` scatters it into the tracker (O(changed), no scan)
+        self._delta: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.residual_baseline: dict[str, torch.Tensor] = {}
         self._pending_residual: dict[str, torch.Tensor] = {}
         self.committed_version = 0
@@ -312,6 +321,7 @@ class DCRHook:
             self.verify_candidate(version)  # the retry must re-emit the same candidate
         t0 = time.perf_counter()
         fingerprints: dict[int, bytes] = {}
+        delta: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         rep = BuildReport(version=version, attempt=attempt, retry=retry)
         out = sink or self.config.sink or self.payloads.append
         writer = _SinkThread(out, self.config.queue_depth)
@@ -340,15 +350,17 @@ class DCRHook:
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
                 local = changed_indices(cur_bits, base_bits)
+                new = cur_bits[local]
                 if self.config.candidate_guard:
-                    fingerprints[t.index] = _fingerprint(cur_bits, local)
+                    fingerprints[t.index] = _fingerprint(local, new)
                 rep.detect_seconds += time.perf_counter() - td
                 if not local.size:
                     continue
+                delta[t.index] = (local, new)
                 rep.changed_elements += int(local.size)
-                for item in self._project(t, local, cur_bits, base_bits, xor_ok):
+                for item in self._project(t, local, new, base_bits, xor_ok):
                     self._emit(enc, writer, item, rep)
-            self._residual(enc, writer, rep, fingerprints)
+            self._residual(enc, writer, rep, fingerprints, delta)
             for payload in enc.finish():
                 writer.put(payload)
         finally:
@@ -362,6 +374,7 @@ class DCRHook:
         if not retry:  # e.g. a wrapped optimizer step again before the coordinator committed
             self._rebuilt = self._open and self._built is not None and self._built[0] == version
         self._built, self._open = (version, fingerprints), True
+        self._delta = delta
         self.last_report = rep
         log.info(
             "dcr build v%d attempt %d%s: %d payloads, %d bytes, %d entries (%d XOR), change rate "
@@ -383,12 +396,12 @@ class DCRHook:
             writer.put(payload)
 
     def _project(
-        self, t: Task, local: np.ndarray, cur: np.ndarray, base: np.ndarray, xor_ok: bool
+        self, t: Task, local: np.ndarray, new: np.ndarray, base: np.ndarray, xor_ok: bool
     ) -> list[DeltaItem]:
-        """Changed local indices of an affine task -> one item per canonical tensor."""
+        """Changed local indices of an affine task (`new`: their stored bits now) -> one item
+        per canonical tensor."""
         assert t.amap is not None
         name_idx, hf = t.amap.project(local)
-        new = cur[local]
         vals_xor = new ^ base[local]
         items = []
         for j in np.unique(name_idx):
@@ -416,6 +429,7 @@ class DCRHook:
         writer: _SinkThread,
         rep: BuildReport,
         fingerprints: dict[int, bytes],
+        delta: dict[int, tuple[np.ndarray, np.ndarray]],
     ) -> None:
         """Residual conversion: flag changed tasks (all-reduced), convert them with the bridge,
         compare with the residual baseline owned by a canonical-name hash, emit overwrites."""
@@ -427,7 +441,9 @@ class DCRHook:
             if t.index in self.owned_idx:
                 rep.owned_elements += t.param.numel()
                 fingerprints[t.index], changed = self._shard_state(t)
-                if full or changed:
+                if changed is not None and changed[0].size:
+                    delta[t.index] = changed
+                if full or changed is None or changed[0].size:
                     flags[i] = 1
         if full:
             flags.fill_(1)
@@ -454,16 +470,19 @@ class DCRHook:
                 )
                 self._emit(enc, writer, item, rep)
 
-    def _shard_state(self, t: Task) -> tuple[bytes, bool]:
-        """(fingerprint, changed since the commit) of an owned shard's current stored bits."""
+    def _shard_state(self, t: Task) -> tuple[bytes, tuple[np.ndarray, np.ndarray] | None]:
+        """(fingerprint, (changed indices, their new stored bits) against the tracker) of an
+        owned shard's current stored bits; None for the change in mode F (no tracker: the
+        whole shard is the candidate)."""
         guard = self.config.candidate_guard
         base = self.trackers.get(t.index)
-        if base is None:  # mode F keeps no trackers: the whole shard is the candidate
+        if base is None:
             cur = tensor_bits(t.param.detach().to("cpu")) if guard else None
-            return (_fingerprint(cur, None) if cur is not None else b""), True
+            return (_fingerprint(None, cur) if cur is not None else b""), None
         cur = tensor_bits(t.param.detach().to("cpu"))
         local = changed_indices(cur, tensor_bits(base))
-        return (_fingerprint(cur, local) if guard else b""), bool(local.size)
+        new = cur[local]
+        return (_fingerprint(local, new) if guard else b""), (local, new)
 
     def verify_candidate(self, version: int) -> None:
         """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
@@ -499,24 +518,33 @@ class DCRHook:
                 "build the version again from the current weights"
             )
 
-    def commit(self) -> None:
-        """The candidate version was committed: advance trackers and residual baseline in place.
-        Refuses (`CandidateChanged`, nothing advanced) when the parameters moved since the
-        build."""
+    def commit(self, *, verify: bool = True) -> None:
+        """The candidate version was committed: advance trackers and residual baseline in place
+        to what the build emitted (its recorded changed indices and new bits scattered into the
+        trackers: O(changed), no scan of the shards).
+
+        `verify` (default): first the candidate guard (`verify_candidate`, one detection scan);
+        refuses (`CandidateChanged`, nothing advanced) when the parameters moved since the
+        build. The coordinator's owner service passes ``verify=False``: it verified before its
+        compare-and-set, and once the commit record is durable the owners must advance to the
+        candidate the engines hold; refusing then would split the owners from the record."""
         if self._candidate is None:
             raise ProtocolError("commit without a built candidate")
-        self.verify_candidate(self._candidate)
+        if verify:
+            self.verify_candidate(self._candidate)
         with torch.no_grad():
-            for idx, base in self.trackers.items():
-                base.copy_(self.tasks[idx].param.detach().to("cpu"))
-            for name, new in self._pending_residual.items():
-                self.residual_baseline[name].copy_(new)
+            for idx, (local, new) in self._delta.items():
+                set_scatter(_bits_view(self.trackers[idx]), local, new)
+            for name, new_t in self._pending_residual.items():
+                self.residual_baseline[name].copy_(new_t)
+        self._delta = {}
         self._pending_residual.clear()
         self.committed_version = self._candidate
         self._candidate, self._open = None, False
 
     def abort(self) -> None:
         """The attempt failed: keep the committed baseline (a retry rebuilds from it)."""
+        self._delta = {}
         self._pending_residual.clear()
         self._open = False
 
@@ -525,16 +553,22 @@ class DCRHook:
         return self.build(self.committed_version + 1, 0)
 
 
-def _fingerprint(cur_bits: np.ndarray, local: np.ndarray | None) -> bytes:
+def _fingerprint(local: np.ndarray | None, new: np.ndarray) -> bytes:
     """20 bytes naming a shard's candidate: its changed indices and their new stored bits (the
-    whole shard when `local` is None)."""
+    whole shard's bits `new` when `local` is None)."""
     h = hashlib.sha1(usedforsecurity=False)  # detects accidental change; ~3x BLAKE2b's speed
-    if local is None:
-        h.update(np.ascontiguousarray(cur_bits).data)
-    else:
+    if local is not None:
         h.update(np.ascontiguousarray(local, dtype=np.int64).data)
-        h.update(np.ascontiguousarray(cur_bits[local]).data)
+    h.update(np.ascontiguousarray(new).data)
     return h.digest()
+
+
+def _bits_view(t: torch.Tensor) -> np.ndarray:
+    """The stored bits of the host tensor `t` as a writable numpy view of its memory."""
+    bits = tensor_bits(t)
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("tracker must be a contiguous host tensor")
+    return bits
 
 
 def enable_dcr(

@@ -15,7 +15,8 @@ Built-in ops:
   change rate, slowest build seconds.
 - ``verify`` {version}: the candidate guard (`DCRHook.verify_candidate` on every rank); a moved
   shard anywhere fails it with ``error_type`` ``CandidateChanged``.
-- ``commit`` {version}: owners advance their baselines (idempotent for the committed version).
+- ``commit`` {version}: owners advance their baselines to the built candidate (idempotent for
+  the committed version; no second guard scan: ``verify`` ran before the compare-and-set).
 - ``abort`` {version, attempt}: keep the committed baseline.
 - ``status``; ``stop`` (reply, then `serve` returns).
 User ops (an RL loop's ``train``, ``export``, ...) are `handlers`: ``name -> fn(request) ->
@@ -159,7 +160,9 @@ class OwnerService:
                     f"cannot commit version {version}: owners are at committed "
                     f"{self.hook.committed_version}, candidate {self.hook._candidate}"
                 )
-            self.hook.commit()
+            # verified before the compare-and-set (``verify``); the record is durable now, so
+            # the owners advance to the candidate the engines hold without a second scan
+            self.hook.commit(verify=False)
         return {"committed_version": self.hook.committed_version}
 
     def _verify(self, req: dict[str, Any]) -> dict[str, Any]:

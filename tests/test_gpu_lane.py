@@ -134,7 +134,7 @@ def test_hook_detects_exact_bits_of_device_parameters(groups, device: str) -> No
         _flip(model.fnorm, [40], 0x80000000)
     hook.build(1)
     hook.payloads.clear()
-    hook.commit()  # trackers advance from the device parameters
+    hook.commit()  # the guard re-reads the device parameters; trackers take the build's delta
     for t in hook.tasks:
         if t.index in hook.trackers:
             assert hook.trackers[t.index].device.type == "cpu"

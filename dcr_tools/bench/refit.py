@@ -31,7 +31,10 @@ figures are kept under ``runs``.
 
 Latency breakdown: construction (slowest rank's ``hook.build``, uploads overlap it), upload
 tail + manifest, then the tails on the engines: fetch still running after the build, apply
-still running after the last payload arrived (sequential: the whole fetch and apply), commit;
+still running after the last payload arrived (sequential: the whole fetch and apply), the
+owners' candidate guard before the compare-and-set (``verify_s``: one detection scan of the
+owned shards), commit (compare-and-set, then engines and owners advance); ``other_s`` is what
+the refit's wall time holds beyond those parts (RPC round trips, attempt records, retention);
 ``apply_work_s`` is the engine's total apply time, overlapped or not (wall time), and
 ``apply_work_cpu_s`` the applying thread's CPU time over the same spans (the work itself);
 ``apply_parts`` how many parts the engine applied (pipelined: what had arrived, together).
@@ -100,7 +103,9 @@ FIGURES = (
     "apply_work_s",
     "apply_work_cpu_s",
     "apply_parts",
+    "verify_s",
     "commit_s",
+    "other_s",
     "fleet_critical_s",
     "transport_share",
     "v_payload_bytes",
@@ -491,6 +496,7 @@ def _one(
     apply_work = max(float(rk["timings"]["apply_s"]) for rk in ranks)
     apply_cpu = max(float(rk["timings"].get("apply_cpu_s", 0.0)) for rk in ranks)
     parts = max(int(rk.get("pipelined_parts", 1)) for rk in ranks)
+    verify = last.seconds.get("verify", 0.0)
     commit = last.seconds.get("commit", 0.0)
     payload = int(last.owners["payload_bytes"])
     # the reference moves this version's checkpoint; its dense load must not change a bit of
@@ -517,7 +523,9 @@ def _one(
         "apply_work_s": apply_work,
         "apply_work_cpu_s": apply_cpu,
         "apply_parts": parts,
+        "verify_s": verify,
         "commit_s": commit,
+        "other_s": max(0.0, total - build - tail - verify - commit),
         "engine_ack_s": acked,
         "fleet_critical_s": fleet_critical(acked),
         "transport_share": transport / total,
@@ -601,13 +609,15 @@ def render(res: dict[str, Any]) -> str:
         "Breakdown (seconds; tails = what remained after the build (pipelined) or the whole "
         "stage (sequential))",
         f"{'Gbit/s':>6} {'rate':>4} {'mode':>10} | {'construct':>17} | {'upload tail':>17} | "
-        f"{'fetch tail':>17} | {'apply tail':>17} | {'commit':>17} | {'transport share':>17}",
+        f"{'fetch tail':>17} | {'apply tail':>17} | {'verify':>17} | {'commit':>17} | "
+        f"{'other':>17} | {'transport share':>17}",
     ]
     for r in res["rows"]:
         out.append(
             f"{r['gbit']:>6g} {r['rate']:>4} {r['mode']:>10} | {_cell(r, 'construct_s'):>17} | "
             f"{_cell(r, 'upload_tail_s'):>17} | {_cell(r, 'fetch_tail_s'):>17} | "
-            f"{_cell(r, 'apply_tail_s'):>17} | {_cell(r, 'commit_s'):>17} | "
+            f"{_cell(r, 'apply_tail_s'):>17} | {_cell(r, 'verify_s'):>17} | "
+            f"{_cell(r, 'commit_s'):>17} | {_cell(r, 'other_s'):>17} | "
             f"{_cell(r, 'transport_share', '.0%'):>17}"
         )
     out.append("")

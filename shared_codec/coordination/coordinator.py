@@ -274,7 +274,9 @@ class Coordinator:
             res = self._attempt(version, attempt, retry)
             attempts.append(res)
             if res.ok:
+                t0 = time.perf_counter()
                 self._verify(version, res)
+                res.seconds["verify"] = time.perf_counter() - t0
             if res.ok:
                 t0 = time.perf_counter()
                 record = self._commit(version, committed, res)

@@ -249,6 +249,61 @@ def test_candidate_guard_refuses_commit_and_retry_after_the_weights_moved(
     assert hook.committed_version == 1
 
 
+@pytest.mark.parametrize("mode", ["X", "P"])
+def test_commit_advances_the_trackers_to_the_built_candidate_without_reading_the_shards(
+    groups: ParallelGroups, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`commit` scatters the build's recorded changed indices and new bits into the trackers:
+    they then hold exactly the parameters' stored bits, and with ``verify=False`` (the owner
+    service after the compare-and-set) no shard is read at all."""
+    model = FakeModel()
+    hook = DCRHook([model], _config(mode=mode), groups=groups)
+    for seed in (11, 12):
+        model.perturb(seed)
+        hook.build(hook.committed_version + 1)
+        hook.payloads.clear()
+        with monkeypatch.context() as m:  # commit must not detect: any scan fails the test
+            m.setattr(hook_mod, "changed_indices", _no_scan)
+            hook.commit(verify=False)
+        params = {t.index: t.param for t in hook.tasks}
+        assert hook.trackers and all(
+            torch.equal(tr.view(torch.int16), params[i].detach().view(torch.int16))
+            for i, tr in hook.trackers.items()
+        )
+        assert hook.build(hook.committed_version + 1).items == 0  # nothing left to ship
+        hook.abort()
+
+
+def test_commit_after_the_record_is_durable_advances_to_what_was_built(
+    groups: ParallelGroups,
+) -> None:
+    """The weights move after the coordinator's pre-CAS verify: ``commit(verify=False)``
+    advances the trackers to the candidate the engines hold (not to the moved weights), and
+    the next build ships exactly the later movement: engines stay bit-exact."""
+    model = FakeModel()
+    hook = DCRHook([model], _config(), groups=groups)
+    state = {n: t.clone() for n, t in model.export().items()}  # an engine at v0
+    model.perturb(21)
+    hook.build(1)
+    hook.verify_candidate(1)  # the coordinator's guard, then its compare-and-set
+    apply_items(state, _items(hook.payloads))
+    hook.payloads.clear()
+    with torch.no_grad():  # an async trainer steps before the owners heard of the commit
+        model.col.view(-1)[3] += 1.0
+        model.emb.view(-1)[7] += 1.0
+    hook.commit(verify=False)
+    assert hook.committed_version == 1
+    hook.build(2)
+    items = _items(hook.payloads)
+    assert {i.name for i in items} == {"col.weight", "emb.weight"}
+    apply_items(state, items)
+    assert all(bits_equal(state[n], t) for n, t in model.export().items())
+
+
+def _no_scan(*a: Any) -> Any:
+    raise AssertionError("commit scanned a shard")
+
+
 def test_candidate_guard_off_checks_nothing(groups: ParallelGroups) -> None:
     """``candidate_guard=False`` (a trainer that never steps between build and commit): no
     fingerprints, verify and commit do not scan, and the builds stay exact."""
