@@ -14,9 +14,10 @@ One transition (every rank calls, in the same order; collectives inside):
 candidate weights as overwrites.
 
 Candidate guard (paper Proposition 1 assumes the candidate stays fixed until the commit): every
-build records a 20-byte fingerprint per owned shard of what it built from (SHA-1 of the
-changed indices and their new stored bits against the tracker; of the whole shard in mode F).
-`verify_candidate` recomputes them; `commit()` and an overwrite retry call it first and raise
+build records what it built from, per owned shard: its changed indices and their new stored
+bits against the tracker (the delta `commit` scatters; in mode F, without trackers, a 20-byte
+SHA-1 of the whole shard). `verify_candidate` scans the shards again and compares (the changed
+indices, then their bits); `commit()` and an overwrite retry call it first and raise
 `CandidateChanged` naming the moved parameters instead of committing a version the trainer no
 longer holds or re-emitting a different candidate. The coordinator asks the owners to verify
 before its compare-and-set, so a trainer that stepped between build and commit gets nothing
@@ -116,10 +117,10 @@ class DCRConfig:
     class names treated as residual.
     `queue_depth`: payloads buffered between construction and the sink (back-pressure).
     `wrap_step`: wrap ``optimizer.step``. `sink`: callable receiving each payload (bytes); the
-    default keeps payloads in ``hook.payloads``. `candidate_guard` (default on): fingerprint each
-    build and verify it before commit and retry (module docstring); it costs a hash of the
-    changed elements per build and one detection scan per verify, so a trainer that provably
-    never steps between build and commit (e.g. driven by the coordinator) may turn it off.
+    default keeps payloads in ``hook.payloads``. `candidate_guard` (default on): verify before
+    commit and retry that the shards still hold what the build recorded (module docstring); it
+    costs one detection scan per verify (a whole-shard hash per build in mode F), so a trainer
+    that provably never steps between build and commit may turn it off.
     """
 
     architecture: str = "Qwen3ForCausalLM"
@@ -253,7 +254,8 @@ class DCRHook:
         self._pending_residual: dict[str, torch.Tensor] = {}
         self.committed_version = 0
         self._candidate: int | None = None
-        # candidate guard: (version, {task index: fingerprint}) of the last build
+        # candidate guard: (version, {task index: what to check}) of the last build: b"" for a
+        # shard checked against its recorded delta, a whole-shard fingerprint without a tracker
         self._built: tuple[int, dict[int, bytes]] | None = None
         self._open = False  # a build since the last commit or abort
         self._rebuilt = False  # the open version was built again (engines may hold either)
@@ -352,7 +354,7 @@ class DCRHook:
                 local = changed_indices(cur_bits, base_bits)
                 new = cur_bits[local]
                 if self.config.candidate_guard:
-                    fingerprints[t.index] = _fingerprint(local, new)
+                    fingerprints[t.index] = b""  # checked against `delta`
                 rep.detect_seconds += time.perf_counter() - td
                 if not local.size:
                     continue
@@ -440,7 +442,9 @@ class DCRHook:
         for i, t in enumerate(self.residual_tasks):
             if t.index in self.owned_idx:
                 rep.owned_elements += t.param.numel()
-                fingerprints[t.index], changed = self._shard_state(t)
+                record, changed = self._shard_state(t)
+                if self.config.candidate_guard:
+                    fingerprints[t.index] = record
                 if changed is not None and changed[0].size:
                     delta[t.index] = changed
                 if full or changed is None or changed[0].size:
@@ -471,18 +475,26 @@ class DCRHook:
                 self._emit(enc, writer, item, rep)
 
     def _shard_state(self, t: Task) -> tuple[bytes, tuple[np.ndarray, np.ndarray] | None]:
-        """(fingerprint, (changed indices, their new stored bits) against the tracker) of an
-        owned shard's current stored bits; None for the change in mode F (no tracker: the
-        whole shard is the candidate)."""
-        guard = self.config.candidate_guard
+        """(guard record, (changed indices, their new stored bits) against the tracker) of an
+        owned shard's current stored bits. Without a tracker (mode F: the whole shard is the
+        candidate) the change is None and the guard record the shard's fingerprint."""
         base = self.trackers.get(t.index)
         if base is None:
-            cur = tensor_bits(t.param.detach().to("cpu")) if guard else None
-            return (_fingerprint(None, cur) if cur is not None else b""), None
+            guard = self.config.candidate_guard
+            return (_fingerprint(tensor_bits(t.param.detach().to("cpu"))) if guard else b""), None
         cur = tensor_bits(t.param.detach().to("cpu"))
         local = changed_indices(cur, tensor_bits(base))
-        new = cur[local]
-        return (_fingerprint(local, new) if guard else b""), (local, new)
+        return b"", (local, cur[local])
+
+    def _unmoved(self, t: Task, record: bytes) -> bool:
+        """Does owned shard `t` still hold the candidate the last build recorded?"""
+        state, change = self._shard_state(t)
+        if change is None:
+            return state == record
+        built = self._delta.get(t.index)
+        if built is None:  # unchanged at the build
+            return not change[0].size
+        return np.array_equal(change[0], built[0]) and np.array_equal(change[1], built[1])
 
     def verify_candidate(self, version: int) -> None:
         """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
@@ -505,7 +517,7 @@ class DCRHook:
         moved = [
             t.name
             for t in self.owned
-            if t.index in self._built[1] and self._shard_state(t)[0] != self._built[1][t.index]
+            if t.index in self._built[1] and not self._unmoved(t, self._built[1][t.index])
         ]
         if moved:
             # the record is stale: a later retry builds from the current weights (the
@@ -537,14 +549,14 @@ class DCRHook:
                 set_scatter(_bits_view(self.trackers[idx]), local, new)
             for name, new_t in self._pending_residual.items():
                 self.residual_baseline[name].copy_(new_t)
-        self._delta = {}
+        self._delta, self._built = {}, None
         self._pending_residual.clear()
         self.committed_version = self._candidate
         self._candidate, self._open = None, False
 
     def abort(self) -> None:
-        """The attempt failed: keep the committed baseline (a retry rebuilds from it)."""
-        self._delta = {}
+        """The attempt failed: keep the committed baseline (a retry rebuilds from it; the
+        candidate's record stays for its guard)."""
         self._pending_residual.clear()
         self._open = False
 
@@ -553,13 +565,11 @@ class DCRHook:
         return self.build(self.committed_version + 1, 0)
 
 
-def _fingerprint(local: np.ndarray | None, new: np.ndarray) -> bytes:
-    """20 bytes naming a shard's candidate: its changed indices and their new stored bits (the
-    whole shard's bits `new` when `local` is None)."""
+def _fingerprint(bits: np.ndarray) -> bytes:
+    """20 bytes naming a whole shard's stored bits (the candidate of a shard without a
+    tracker)."""
     h = hashlib.sha1(usedforsecurity=False)  # detects accidental change; ~3x BLAKE2b's speed
-    if local is not None:
-        h.update(np.ascontiguousarray(local, dtype=np.int64).data)
-    h.update(np.ascontiguousarray(new).data)
+    h.update(np.ascontiguousarray(bits).data)
     return h.digest()
 
 

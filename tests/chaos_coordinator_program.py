@@ -93,10 +93,10 @@ class KillingCoordinator(Coordinator):
             die(self.kill)
         return out
 
-    def _verify(self, version: int, res: AttemptResult) -> None:
-        if self.kill == "after_acks" and res.ok:
+    def _collect(self, res: AttemptResult, futures: dict[str, Any], deadline: float) -> None:
+        super()._collect(res, futures, deadline)
+        if self.kill == "after_acks" and not res.failed:  # every ACK in, guard passed, no CAS
             die(self.kill)
-        super()._verify(version, res)
 
 
 def main() -> None:

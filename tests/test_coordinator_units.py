@@ -376,9 +376,10 @@ def test_owners_gone_mid_build_raises_naming_the_build_failure(tmp_path: Path) -
 def test_candidate_moved_after_the_build_commits_nothing_and_restores_every_engine(
     tmp_path: Path,
 ) -> None:
-    """The owners' candidate guard fails after every engine ACKed (an optimizer step between
-    build and commit): no compare-and-set, no retry, every engine back to the committed
-    version, a RefitFailed naming the guard; the next refit builds afresh and commits."""
+    """The owners' candidate guard (run after the build, while the engines apply) fails: an
+    optimizer step between build and commit. Every engine still ACKs; no compare-and-set, no
+    retry, every engine back to the committed version, a RefitFailed naming the guard; the
+    next refit builds afresh and commits."""
     s = Setup(tmp_path, max_attempts=3)
     before = s.control.get(_commit_key(0))
     s.owners.moved.add(1)
@@ -387,8 +388,11 @@ def test_candidate_moved_after_the_build_commits_nothing_and_restores_every_engi
 
     assert s.control.get(_commit_key(0)) == before and s.commit_keys() == [_commit_key(0)]
     assert len(s.attempt_keys(1)) == 1  # retries cannot help: none was tried
-    refused = s.events.index("owners", "verify-refused", 1)
-    assert max(s.events.index(e, "apply", 1, 0) for e in ("e0", "e1")) < refused
+    assert s.events.index("owners", "build", 1, 0, False) < s.events.index(
+        "owners", "verify-refused", 1
+    )
+    for e in ("e0", "e1"):  # each engine's apply was collected before it was restored
+        assert s.events.index(e, "apply", 1, 0) < s.events.index(e, "restore", 0)
     for e in s.engines:
         assert s.events.of(e.name, "commit") == []
         assert s.events.of(e.name, "restore") == [(e.name, "restore", 0)]

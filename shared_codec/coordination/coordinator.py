@@ -22,10 +22,12 @@ out to every trainer rank / every engine rank behind them):
    tree) so waiting engines stop at once (their partial applies make them dirty; the fence and
    the overwrite retry repair that).
 4. Joint commit: only when every required engine ACKed ok and the owners' candidate guard
-   (``owners.verify``: the trainer's weights still are what the attempt was built from) passed,
-   the coordinator compare-and-sets the commit record (version, baseline id, attempt, engines,
+   (``owners.verify``: the trainer's weights still are what the attempt was built from; it
+   runs as soon as the build returned, while the engines finish applying) passed, the
+   coordinator compare-and-sets the commit record (version, baseline id, attempt, engines,
    per-engine digests). Then engines and owners are told to commit (owners advance their
-   baselines in place).
+   baselines in place to the built candidate, which is what the engines hold: a trainer step
+   after the guard is not lost, the next version ships it).
 5. Retention (`retain`): payloads (object-store objects, or relay spools and delivered sets
    through the tree's ``Forget``), attempt records and engine reports of versions older than
    the newest ``keep_versions`` committed ones are removed; commit records stay.
@@ -275,10 +277,6 @@ class Coordinator:
             attempts.append(res)
             if res.ok:
                 t0 = time.perf_counter()
-                self._verify(version, res)
-                res.seconds["verify"] = time.perf_counter() - t0
-            if res.ok:
-                t0 = time.perf_counter()
                 record = self._commit(version, committed, res)
                 res.seconds["commit"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -333,6 +331,9 @@ class Coordinator:
         t1 = time.perf_counter()
         if not pipelined:
             open_apply()
+        # the candidate guard runs on the owners while the engines finish their applies
+        self._verify(version, res)
+        res.seconds["verify"] = time.perf_counter() - t1
         self._collect(res, futures, deadline)
         pool.shutdown(wait=False, cancel_futures=True)
         # pipelined: only the tail after the build (the engines' work overlapped it)
@@ -371,11 +372,10 @@ class Coordinator:
         return removed
 
     def _verify(self, version: int, res: AttemptResult) -> None:
-        """Every engine ACKed: the owners' candidate guard, before the compare-and-set."""
+        """The owners' candidate guard (the build returned; engines may still be applying)."""
         try:
             self.owners.verify(version)
         except Exception as e:
-            res.ok = False
             res.failed["owners"] = f"verify: {type(e).__name__}: {e}"
             res.candidate_changed = isinstance(e, CandidateChanged)
             self.log(f"version {version} attempt {res.attempt} not committed: {e}")
