@@ -31,10 +31,12 @@ figures are kept under ``runs``.
 
 Latency breakdown: construction (slowest rank's ``hook.build``, uploads overlap it), upload
 tail + manifest, then the tails on the engines: fetch still running after the build, apply
-still running after the last payload arrived (sequential: the whole fetch and apply), the
-owners' candidate guard before the compare-and-set (``verify_s``: one detection scan of the
-owned shards), commit (compare-and-set, then engines and owners advance); ``other_s`` is what
-the refit's wall time holds beyond those parts (RPC round trips, attempt records, retention);
+still running after the last payload arrived (sequential: the whole fetch and apply), both
+measured from the owners' build returning to the last ACK; the owners' candidate guard
+(``verify_s``: one detection scan of the owned shards, run by the coordinator right after the
+build, overlapping those tails); commit (compare-and-set, then engines and owners advance);
+``other_s`` is what the refit's wall time holds beyond the build, the longer of (tails, guard)
+and the commit (attempt reservation, RPC round trips, retention);
 ``apply_work_s`` is the engine's total apply time, overlapped or not (wall time), and
 ``apply_work_cpu_s`` the applying thread's CPU time over the same spans (the work itself);
 ``apply_parts`` how many parts the engine applied (pipelined: what had arrived, together).
@@ -218,6 +220,24 @@ class _AckClock:
             self.acked_at = time.perf_counter()
 
 
+class _BuildClock:
+    """Coordinator handle around `RemoteOwners` that notes when the owners' build returned (the
+    engines' tails are measured from there); everything else is the owners' own."""
+
+    def __init__(self, owners: RemoteOwners) -> None:
+        self.owners = owners
+        self.built_at = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.owners, name)
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
+        try:
+            return self.owners.build(version, attempt, retry)
+        finally:
+            self.built_at = time.perf_counter()
+
+
 @contextmanager
 def _on_cpus(cpus: set[int] | None) -> Iterator[None]:
     """Run the calling thread on `cpus` for the block (None: leave it)."""
@@ -367,10 +387,11 @@ def _link(
         ]
         for r in receivers:
             r.restore(0)
+        clock = _BuildClock(owners)
         coords = {
             mode: Coordinator(
                 DirectoryStore(root),
-                owners,
+                clock,  # type: ignore[arg-type]
                 receivers,  # type: ignore[arg-type]
                 CoordinatorConfig(
                     record_digests=False, ack_timeout_s=900, pipeline=mode == "pipelined"
@@ -392,7 +413,7 @@ def _link(
             # flush the previous round's checkpoint export and reference files: otherwise
             # the next small fsync (attempt / commit records) waits for ~700 MB of writeback
             os.sync()
-            row = _one(coords[mode], mode, rate, owners, receivers, ckpts, work, bw, cpus)
+            row = _one(coords[mode], mode, rate, clock, receivers, ckpts, work, bw, cpus)
             row["gbit"] = gbit
             return row
 
@@ -467,7 +488,7 @@ def _one(
     coord: Coordinator,
     mode: str,
     rate: float,
-    owners: RemoteOwners,
+    owners: _BuildClock,
     receivers: list[_AckClock],
     ckpts: Path,
     work: Path,
@@ -485,7 +506,8 @@ def _one(
     construct = float(last.owners["build_s"])
     build = last.seconds["build"]
     upload_tail = build - construct
-    tail = last.seconds["apply"]  # from the end of the build to the last ACK
+    after_build = last.seconds["apply"]  # end of the build -> every ACK and the guard's answer
+    tail = max(0.0, max(r.acked_at for r in receivers) - owners.built_at)  # -> the last ACK
     fetch = max(float(a["fetch_s"]) for a in acks)
     if mode == "pipelined":  # receivers started with the build: only what outlasted it counts
         fetch_tail = min(tail, max(0.0, fetch - build))
@@ -525,7 +547,7 @@ def _one(
         "apply_parts": parts,
         "verify_s": verify,
         "commit_s": commit,
-        "other_s": max(0.0, total - build - tail - verify - commit),
+        "other_s": max(0.0, total - build - after_build - commit),
         "engine_ack_s": acked,
         "fleet_critical_s": fleet_critical(acked),
         "transport_share": transport / total,

@@ -336,7 +336,7 @@ class Coordinator:
         res.seconds["verify"] = time.perf_counter() - t1
         self._collect(res, futures, deadline)
         pool.shutdown(wait=False, cancel_futures=True)
-        # pipelined: only the tail after the build (the engines' work overlapped it)
+        # from the end of the build: the engines' tails and the guard, overlapped
         res.seconds["apply"] = time.perf_counter() - t1
         res.ok = not res.failed
         if not res.ok:
