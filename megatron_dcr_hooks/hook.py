@@ -352,12 +352,12 @@ class DCRHook:
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
                 local = changed_indices(cur_bits, base_bits)
-                new = cur_bits[local]
+                rep.detect_seconds += time.perf_counter() - td
                 if self.config.candidate_guard:
                     fingerprints[t.index] = b""  # checked against `delta`
-                rep.detect_seconds += time.perf_counter() - td
                 if not local.size:
                     continue
+                new = cur_bits[local]
                 delta[t.index] = (local, new)
                 rep.changed_elements += int(local.size)
                 for item in self._project(t, local, new, base_bits, xor_ok):
