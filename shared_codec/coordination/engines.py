@@ -244,13 +244,24 @@ class HttpEngine:
     def restore(self, version: int) -> None:
         """Restart the engine if it died (needs a launcher), dense-load committed `version`,
         prewarm; the receiver is then clean at `version`."""
+        relaunched = False
         if self.out_of_step or not self.healthy():
             why = f"out of step ({self.out_of_step})" if self.out_of_step else "down"
             if self.launcher is None:
                 raise DCRError(f"receiver {self.name} is {why} and has no launcher to restart it")
             self._relaunch()
+            self.out_of_step, relaunched = "", True
+        try:
+            self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
+        except EngineUnreachable:
+            # a worker that died can leave the API server answering /health for a moment while
+            # its executor is already shut down (vLLM: "collective_rpc should not be called on
+            # follower node"): restart it once, then load
+            if relaunched or self.launcher is None:
+                raise
+            self._relaunch()
             self.out_of_step = ""
-        self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
+            self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
         self.reset_prefix_cache()
         self.prewarm(version)
 
