@@ -202,40 +202,26 @@ def split_cpus(allowed: set[int]) -> tuple[set[int], set[int]]:
     return set(cpus[:half]), set(cpus[half:])
 
 
-class _AckClock:
-    """Coordinator handle around an `HttpEngine` that notes when its ACK came back (for
-    `fleet_critical_s`); everything else is the engine's own."""
+class _Stamped:
+    """Coordinator handle around `inner` (an `HttpEngine` or `RemoteOwners`) that notes in
+    ``at`` when a call of its `method` last returned (an engine's ACK: `fleet_critical_s`; the
+    owners' build: where the engines' tails start); everything else is `inner`'s own."""
 
-    def __init__(self, engine: HttpEngine) -> None:
-        self.engine = engine
-        self.acked_at = 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        try:
-            return self.engine.apply(version, attempt, timeout_s)
-        finally:
-            self.acked_at = time.perf_counter()
-
-
-class _BuildClock:
-    """Coordinator handle around `RemoteOwners` that notes when the owners' build returned (the
-    engines' tails are measured from there); everything else is the owners' own."""
-
-    def __init__(self, owners: RemoteOwners) -> None:
-        self.owners = owners
-        self.built_at = 0.0
+    def __init__(self, inner: Any, method: str) -> None:
+        self.inner, self._method, self.at = inner, method, 0.0
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.owners, name)
+        attr = getattr(self.inner, name)
+        if name != self._method:
+            return attr
 
-    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
-        try:
-            return self.owners.build(version, attempt, retry)
-        finally:
-            self.built_at = time.perf_counter()
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.at = time.perf_counter()
+
+        return stamped
 
 
 @contextmanager
@@ -374,20 +360,21 @@ def _link(
         ckpt_bytes = sum(f.stat().st_size for f in v0.glob("*.safetensors"))
         table = tensor_table(v0)
         receivers = [
-            _AckClock(
+            _Stamped(
                 HttpEngine(
                     f"engine{i}",
                     url,
                     store=spec,
                     checkpoint_for=lambda v: str(ckpts / f"v{v}"),
                     tensors=table,
-                )
+                ),
+                "apply",
             )
             for i, url in enumerate(urls)
         ]
         for r in receivers:
             r.restore(0)
-        clock = _BuildClock(owners)
+        clock = _Stamped(owners, "build")
         coords = {
             mode: Coordinator(
                 DirectoryStore(root),
@@ -408,7 +395,7 @@ def _link(
             nonlocal seed
             seed += 1
             for r in receivers:
-                r.engine.pipelined = mode == "pipelined"
+                r.inner.pipelined = mode == "pipelined"
             owners.call("inject", rate=rate, seed=seed)
             # flush the previous round's checkpoint export and reference files: otherwise
             # the next small fsync (attempt / commit records) waits for ~700 MB of writeback
@@ -488,8 +475,8 @@ def _one(
     coord: Coordinator,
     mode: str,
     rate: float,
-    owners: _BuildClock,
-    receivers: list[_AckClock],
+    owners: _Stamped,
+    receivers: list[_Stamped],
     ckpts: Path,
     work: Path,
     bw: float,
@@ -500,14 +487,14 @@ def _one(
     t0 = time.perf_counter()
     res = coord.refit()
     total = time.perf_counter() - t0
-    acked = [r.acked_at - t0 for r in receivers]
+    acked = [r.at - t0 for r in receivers]
     last = res.attempts[-1]
     acks = list(last.acks.values())
     construct = float(last.owners["build_s"])
     build = last.seconds["build"]
     upload_tail = build - construct
     after_build = last.seconds["apply"]  # end of the build -> every ACK and the guard's answer
-    tail = max(0.0, max(r.acked_at for r in receivers) - owners.built_at)  # -> the last ACK
+    tail = max(0.0, max(r.at for r in receivers) - owners.at)  # -> the last ACK
     fetch = max(float(a["fetch_s"]) for a in acks)
     if mode == "pipelined":  # receivers started with the build: only what outlasted it counts
         fetch_tail = min(tail, max(0.0, fetch - build))
@@ -526,7 +513,7 @@ def _one(
     vpath = ckpts / f"v{res.version}"
     owners.call("export", path=str(vpath))
     digest = receivers[0].digest()
-    ref = reference(work, vpath, receivers[0].engine, bw, nodes, res.version, cpus)
+    ref = reference(work, vpath, receivers[0].inner, bw, nodes, res.version, cpus)
     if receivers[0].digest() != digest:
         raise RuntimeError(f"version {res.version}: DCR refit != dense load (digest)")
     if res.version > 1:  # keep v0 and the committed version (restores) only: ~330 MB each
