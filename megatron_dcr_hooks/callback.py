@@ -24,7 +24,10 @@ inside the events):
    serves the owner service (`megatron_dcr_hooks.service.OwnerService`) until the coordinator
    releases the trainer with ``stop`` (`RemoteOwners.stop`): the coordinator's ``build`` /
    ``verify`` / ``commit`` (and the spec's own ops, e.g. ``export``) run while training waits,
-   so the version the coordinator commits is this step's weights.
+   so the version the coordinator commits is this step's weights. Rank 0's REP socket is
+   bound once and stays bound while the job trains, so a coordinator may send its next
+   request (``status``: wait for the next step) right after ``stop``; ``on_train_end``
+   (or `close`) unbinds it.
 3. ``on_train_step_end`` with ``skipped_iter``: nothing is built, published or served (the
    weights did not change); `skipped_steps` counts it.
 
@@ -97,6 +100,7 @@ class DCRCallback:
         self.steps = 0
         self.skipped_steps = 0
         self.built: list[int] = []
+        self._service: Any = None
         self._chunks: list[Any] = []
 
     # -- the plain hook ------------------------------------------------------------------------
@@ -135,12 +139,20 @@ class DCRCallback:
         from megatron_dcr_hooks.service import OwnerService
 
         assert self.hook is not None and self.service is not None
-        OwnerService(
-            self.hook,
-            self.service.transport,
-            self.service.endpoint,
-            dict(self.service.handlers),
-        ).serve()
+        if self._service is None:  # one service (one bound socket) for the whole job
+            self._service = OwnerService(
+                self.hook,
+                self.service.transport,
+                self.service.endpoint,
+                dict(self.service.handlers),
+            )
+        self._service.serve()
+
+    def close(self) -> None:
+        """Unbind the owner service's socket (served mode; Bridge's ``on_train_end``)."""
+        if self._service is not None:
+            self._service.close()
+            self._service = None
 
     # -- Megatron-Bridge events ----------------------------------------------------------------
     def on_train_start(self, context: Any) -> None:
@@ -155,3 +167,7 @@ class DCRCallback:
     def on_train_step_end(self, context: Any) -> None:
         """Bridge event after the optimizer step: build (or serve) unless ``skipped_iter``."""
         self.after_optimizer_step(skipped=bool(context.skipped_iter))
+
+    def on_train_end(self, context: Any) -> None:
+        """Bridge event after the last step: `close` (served mode's socket)."""
+        self.close()

@@ -18,7 +18,8 @@ Built-in ops:
 - ``commit`` {version}: owners advance their baselines to the built candidate (idempotent for
   the committed version; no second guard scan: ``verify`` ran before the compare-and-set).
 - ``abort`` {version, attempt}: keep the committed baseline.
-- ``status``; ``stop`` (reply, then `serve` returns).
+- ``status``; ``stop`` (reply, then `serve` returns; rank 0's socket stays bound, so requests
+  sent while the job trains are answered by the next `serve`; `close` unbinds it).
 User ops (an RL loop's ``train``, ``export``, ...) are `handlers`: ``name -> fn(request) ->
 dict``, called on every rank; rank 0's result is the reply.
 
@@ -96,6 +97,7 @@ class OwnerService:
         self.groups = hook.groups
         self.rank = hook.groups.world.rank
         self.world = hook.groups.world.size
+        self._sock: Any = None
 
     # -- ops (every rank) ----------------------------------------------------------------------
     def _build(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -222,15 +224,30 @@ class OwnerService:
         out["seconds"] = time.perf_counter() - t0
         return out
 
-    def serve(self) -> None:
-        """Answer requests until ``stop`` (every rank calls; rank 0 owns the socket)."""
-        sock: Any = None
-        if self.rank == 0:
+    def _socket(self) -> Any:
+        """Rank 0's REP socket, bound on the first `serve` and kept until `close`: a request
+        sent while the job trains between two serves (a coordinator's ``status`` right after
+        ``stop``) waits in its queue for the next serve instead of reaching a socket that is
+        about to close (where it would be dropped, and the REQ client would wait forever)."""
+        if self._sock is None:
             import zmq
 
             sock = zmq.Context.instance().socket(zmq.REP)
-            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.LINGER, 2000)  # `close` still delivers a last ``stop`` reply
             sock.bind(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        """Unbind rank 0's socket (the job is done serving); a later `serve` binds again."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def serve(self) -> None:
+        """Answer requests until ``stop`` (every rank calls; rank 0 owns the socket, which
+        stays bound after ``stop``: `_socket`). An exception closes the socket."""
+        sock = self._socket() if self.rank == 0 else None
         try:
             while True:
                 req: Any = None
@@ -252,6 +269,6 @@ class OwnerService:
                 out = self.handle(req)
                 if sock is not None:
                     sock.send(json.dumps(out).encode())
-        finally:
-            if sock is not None:
-                sock.close(0)
+        except BaseException:
+            self.close()
+            raise

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("rl_trainer: give exactly one of --store SPEC and --relay ADDRESS")
     # one sink spec either way (shared_codec.transport.seam): a store, or the relay tree's root
     transport = args.store or {"kind": "relay", "root": args.relay}
-    OwnerService(hook, transport, args.endpoint, handlers).serve()
+    service = OwnerService(hook, transport, args.endpoint, handlers)
+    service.serve()
+    service.close()
     dist.destroy_process_group()
 
 

@@ -462,6 +462,58 @@ def test_owner_service_reduces_over_the_hooks_groups(
     assert retry["ok"]  # the stale record was dropped by the failed verify
 
 
+def test_owner_service_socket_stays_bound_between_serves(
+    groups: ParallelGroups, tmp_path: Path
+) -> None:
+    """Real ZeroMQ sockets on loopback, the real `OwnerService` over the FAKE model's hook: a
+    coordinator's ``status`` sent right after ``stop``, while the job trains, reaches a socket
+    that is still bound and is answered by the next serve. (A socket closed after each
+    ``stop`` could take that request during its last moments and drop it: the REQ client then
+    waited its whole timeout, seen once under CI load in tests/test_callback.py.)"""
+    import socket
+    import threading
+    import time
+
+    from megatron_dcr_hooks.service import OwnerService
+    from shared_codec.coordination.owners import RemoteOwners
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    def listening() -> bool:
+        time.sleep(0.3)  # ZeroMQ binds and closes a listener on its I/O thread
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    hook = DCRHook([FakeModel()], _config(), groups=groups)
+    svc = OwnerService(hook, {"kind": "dir", "root": str(tmp_path / "payloads")}, endpoint)
+    client = RemoteOwners(endpoint, timeout_s=20)
+    first = threading.Thread(target=svc.serve)
+    first.start()
+    assert client.call("status")["committed_version"] == 0
+    client.stop()
+    first.join(timeout=20)
+    assert not first.is_alive()
+    assert listening()  # between serves (the job trains) the endpoint still accepts
+    answered: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: answered.update(client.call("status")))
+    waiter.start()
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and not answered  # queued until the job serves again
+    second = threading.Thread(target=svc.serve)
+    second.start()
+    waiter.join(timeout=20)
+    assert answered["ok"] and answered["committed_version"] == 0
+    client.stop()
+    second.join(timeout=20)
+    assert not second.is_alive()
+    svc.close()
+    assert not listening()
+    client.close()
+
+
 def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None:
     """`DCRCallback` registered by megatron-bridge's own ``CallbackManager`` (the installed
     bridge's ``normalize_callbacks``, what ``pretrain(callbacks=[...])`` does) with the events
