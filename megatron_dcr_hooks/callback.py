@@ -34,7 +34,8 @@ inside the events):
 Plain hook (no Bridge): loops that call the optimizer themselves (Megatron-LM's
 ``train_step``, NeMo RL's Megatron policy worker) call ``callback.attach(model_chunks)`` once
 after loading the weights the engines hold, and ``callback.after_optimizer_step(skipped=not
-update_successful)`` after every ``optimizer.step()``.
+update_successful)`` after every ``optimizer.step()``; in served mode, ``callback.close()`` after
+the last step.
 
 Megatron DDP chunks that overlap the parameter all-gather with the next forward
 (``ddp_config.overlap_param_gather``) are synced by the hook before every build (hook.py);

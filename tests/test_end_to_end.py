@@ -34,6 +34,7 @@ MLA_DERIVED = ("W_UK_T", "W_UV")
         pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),  # QKV biases
         pytest.param("qwen3-moe", 1, 2, marks=pytest.mark.slow),
         pytest.param("deepseek-v3", 2, 1, marks=pytest.mark.slow),  # MLA, fp32 router bias
+        pytest.param("deepseek-v3", 1, 2, marks=pytest.mark.slow),  # experts over EP=2
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
