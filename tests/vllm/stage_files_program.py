@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--v1", required=True)
     ap.add_argument("--payloads", required=True, help="directory of *.bin payload files")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size")
     args = ap.parse_args()
 
     from vllm import SamplingParams
@@ -38,7 +39,7 @@ def main() -> None:
     from shared_codec.checkpoint import load_checkpoint
     from tests.vllm._engine import start_llm
 
-    llm = start_llm(args.v0)
+    llm = start_llm(args.v0, args.tp)
     sp = SamplingParams(max_tokens=8, temperature=0.0)
 
     def tokens() -> list:

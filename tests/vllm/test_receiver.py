@@ -13,16 +13,19 @@ from pathlib import Path
 import pytest
 
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
-from dcr_tools.procs import PYTHON, REPO, base_env, run_program
+from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
 
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 CASES = [
     ("qwen3-tp1", "qwen3", 1, {}),
     ("qwen3-tp2", "qwen3", 2, {}),
     ("tied-padded-vocab", "qwen3-tied", 1, {}),
     ("moe", "qwen3-moe", 1, {}),
     ("moe-tp2-ep", "qwen3-moe", 2, {"enable_expert_parallel": True}),
+    # DeepSeek-V3 style MLA (kv_b_proj split over the heads, W_UK_T / W_UV views of each rank's
+    # shard), shared + routed experts, fp32 router bias; slow lane in both modes
+    ("mla-tp2", "deepseek-v3", 2, {}),
 ]
+SLOW_CASES = {"mla-tp2"}
 # every case runs in both placement modes: the replayed plan (default) and the native loader
 # for every item; the loader-mode runs are the slow lane except one (the path is main's and
 # the plan-mode runs cover every loader layout by default)
@@ -30,7 +33,9 @@ MODED = [
     pytest.param(
         (*case, mode),
         id=f"{case[0]}-{mode}",
-        marks=[pytest.mark.slow] if mode == "loader" and case[0] != "qwen3-tp1" else [],
+        marks=[pytest.mark.slow]
+        if (mode == "loader" and case[0] != "qwen3-tp1") or case[0] in SLOW_CASES
+        else [],
     )
     for case in CASES
     for mode in ("plan", "loader")

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dcr_tools.procs import PYTHON, REPO, base_env, free_port, kill_group, run_program
+from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, free_port, kill_group, run_program
 
 PROMPTS = ["hello world the policy", "a refit sends only the bits"]
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _run_engine(model: Path, tp: int, tmp: Path) -> dict:
