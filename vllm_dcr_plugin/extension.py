@@ -166,7 +166,8 @@ class DCRWorkerExtension:
         """Fetch the attempt's payloads from an object store and stage them. `store` is a JSON
         store spec (``{"kind": "dir", "root": ...}``, ``{"kind": "s3", "bucket": ...,
         "endpoint_url": ...}`` or a relay node's ``{"kind": "spool", "root": ...}``); every rank
-        fetches for itself. With `apply` (``{"verify": bool}``) the fetch is pipelined: payloads
+        fetches for itself; a `version` not after the committed one is refused at once. With
+        `apply` (``{"verify": bool}``) the fetch is pipelined: payloads
         are fetched as they appear and each is applied once staged; the attempt's ACK is
         returned under ``"ack"``."""
         with _arguments("dcr_fetch"):
@@ -174,6 +175,7 @@ class DCRWorkerExtension:
             args = (_int(version, "version"), _int(attempt, "attempt"))
             timeout = _seconds(timeout_s, "timeout_s")
             opts = _apply_opts(apply)
+            self._dcr_receiver().check_version(args[0], "version")
         return self._dcr_receiver().fetch(spec, *args, timeout, opts)
 
     @_rpc

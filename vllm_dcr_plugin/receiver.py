@@ -538,6 +538,16 @@ class Receiver:
             "committed_version": int(version),
         }
 
+    def check_version(self, version: int, what: str) -> None:
+        """`ProtocolError` naming `what` when `version` is not after this receiver's committed
+        version: a stale request (payloads of an old version are refused at staging anyway,
+        and once retention removed them a fetch would only wait out its timeout)."""
+        if version <= self.committed_version:
+            raise ProtocolError(
+                f"{what}: version {version} is not after this receiver's committed version "
+                f"{self.committed_version} (a stale request); nothing fetched"
+            )
+
     def check_checkpoint(self, path: str, what: str) -> None:
         """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at
         `path` that the prewarm table names has another shape: a checkpoint of another model

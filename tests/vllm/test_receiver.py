@@ -48,6 +48,9 @@ BAD_CALLS = {
     "prewarm bad dtype": ("dcr_prewarm", ([["x", "bfloat17", [2]]], 0), {}, "tensors[0]"),
     "stage not a list": ("dcr_stage", ("not a list",), {}, "payloads must be a list"),
     "fetch unknown kind": ("dcr_fetch", ({"kind": "ftp", "root": "/x"}, 1, 0), {}, "store:"),
+    "fetch stale version": (
+        "dcr_fetch", ({"kind": "dir", "root": "/x"}, 0, 0), {}, "version 0 is not after",
+    ),
     "apply negative attempt": ("dcr_apply", (-1,), {}, "attempt must be >= 0"),
     "commit text version": ("dcr_commit", ("one",), {}, "version must be an integer"),
     "abort two attempts": ("dcr_abort", (0, 1), {}, "dcr_abort takes (attempt)"),
