@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -45,6 +46,8 @@ from vllm_dcr_plugin.arguments import seconds as _seconds
 from vllm_dcr_plugin.arguments import store_spec as _store_spec
 from vllm_dcr_plugin.placement import MODES
 from vllm_dcr_plugin.staging import SealedSet, tensor_specs
+
+log = logging.getLogger("dcr.extension")
 
 if TYPE_CHECKING:
     from vllm_dcr_plugin.receiver import Receiver
@@ -68,6 +71,10 @@ def _rpc(fn: F) -> F:
     can tell a stale reply from its own (`shared_codec.coordination.engines`). Arguments that do
     not bind to the method's signature (a wrong count, an unknown keyword) are a
     `ProtocolError` reply too; each method validates its arguments' values in `_arguments`.
+    Any other exception (a defect, an OS error) is an ``ok: False`` reply as well, with
+    ``"internal": True`` and its traceback logged on that rank, for the same reason: it must
+    not leave the other ranks' replies behind. (The methods mark the receiver dirty themselves
+    when weights may have moved.)
     """
     signature = inspect.signature(fn)
     accepted = ", ".join(p for p in signature.parameters if p != "self")
@@ -88,6 +95,16 @@ def _rpc(fn: F) -> F:
                 "rank": int(rank),
                 "error": f"{type(e).__name__}: {e}",
                 "rpc": fn.__name__,
+            }
+        except Exception as e:
+            rank = getattr(self, "rank", 0)
+            log.exception("dcr: %s failed on rank %s", fn.__name__, rank)
+            return {
+                "ok": False,
+                "rank": int(rank),
+                "error": f"{type(e).__name__}: {e}",
+                "rpc": fn.__name__,
+                "internal": True,
             }
         out.setdefault("ok", True)
         out["rpc"] = fn.__name__

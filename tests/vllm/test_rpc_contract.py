@@ -421,3 +421,30 @@ def test_bad_store_spec_past_the_boundary_is_a_protocol_error(tmp_path: Path) ->
     with pytest.raises(ProtocolError, match="bad store spec"):
         rx.fetch({"kind": "nfs", "root": str(tmp_path)}, 1, 0, timeout_s=1)
     assert rx.status()["state"] == "clean"
+
+
+def test_an_unexpected_exception_is_an_internal_error_reply(monkeypatch, caplog) -> None:
+    """A defect below an RPC (here a FAKE digest that raises `KeyError`) is an ``ok: False``
+    reply marked ``internal`` on that rank, with its traceback logged, never an exception that
+    would leave the other ranks' replies queued in vLLM's executor; the next call answers."""
+    ext, _, _ = _extension()
+    assert ext.dcr_prewarm(TABLE, 0)["ok"]
+    rx: Any = ext._dcr_receiver()
+    before = ext.dcr_digest()["digest"]
+
+    def broken() -> dict:
+        raise KeyError("planted defect")
+
+    monkeypatch.setattr(rx, "digest", broken)
+    with caplog.at_level("ERROR", logger="dcr.extension"):
+        reply = ext.dcr_digest()
+    assert reply == {
+        "ok": False,
+        "rank": 0,
+        "error": "KeyError: 'planted defect'",
+        "rpc": "dcr_digest",
+        "internal": True,
+    }
+    assert "dcr_digest failed on rank 0" in caplog.text and "planted defect" in caplog.text
+    monkeypatch.undo()
+    assert ext.dcr_status()["ok"] and ext.dcr_digest()["digest"] == before
