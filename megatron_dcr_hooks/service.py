@@ -232,7 +232,7 @@ class OwnerService:
         if self._sock is None:
             import zmq
 
-            sock = zmq.Context.instance().socket(zmq.REP)
+            sock: Any = zmq.Context.instance().socket(zmq.REP)
             sock.setsockopt(zmq.LINGER, 2000)  # `close` still delivers a last ``stop`` reply
             sock.bind(self.endpoint)
             self._sock = sock
