@@ -10,9 +10,11 @@ NeMo, Megatron-Bridge providers); DCR only needs the model chunks and the optimi
 
 Limitations:
 1. GPT-style families whose provider is ``GPTModelProvider`` or ``MLAModelProvider`` and whose
-   norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE; owner side:
-   DeepSeek-V3 with multi-latent attention, dense first layers and shared experts); Mamba and
-   other provider classes raise ValueError naming the provider. MLA families get megatron's
+   norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3
+   with multi-latent attention, dense first layers and shared experts), and
+   ``Gemma3ModelProvider`` (`dcr_tools.trainers.gemma3`: its own modules plus local stand-ins
+   for its Transformer Engine ones; checked end to end); Mamba and other provider classes raise
+   ValueError naming the provider. MLA families get megatron's
    ``MLATransformerConfig`` and per-layer local specs (``get_gpt_decoder_block_spec`` without
    Transformer Engine: dense or MoE layers from ``moe_layer_freq``); shared-expert overlap
    (CUDA streams) is off. megatron-core's local MLA spec names the local
