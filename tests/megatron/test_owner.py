@@ -154,6 +154,11 @@ LAYOUTS = [
     # so the model is built with context_parallel_size=1 and each CP rank runs the whole
     # sequence (dcr_tools/trainers/model.py, limitation 4)
     ("cp2-distopt", "qwen3", 2, 2, ["--cp", "2", "--distributed-optimizer"]),
+    # Gemma-3 (6 layers): SP (the fused pre-norms run on sequence shards before the linear's
+    # all-gather, the post-norms after its reduce-scatter) and PP=2 (tied embeddings across
+    # stages, the provider's embedding on the first stage only)
+    _slow(("gemma3-sp-tp2", "gemma3", 6, 2, ["--tp", "2", "--sp"])),
+    _slow(("gemma3-pp2", "gemma3", 6, 2, ["--pp", "2"])),
 ]
 
 
@@ -162,9 +167,9 @@ LAYOUTS = [
 def test_owner_parallel_layouts(case, tiny_models, tmp_path: Path) -> None:
     _, kind, layers, ranks, extra = case
     ckpt = tiny_models[kind]
-    if layers != 2:  # the fixtures have 2 layers; a virtual pipeline needs one per chunk
-        from dcr_tools.fixtures import write_tiny_model
+    from dcr_tools.fixtures import spec_for, write_tiny_model
 
+    if layers != spec_for(kind).num_hidden_layers:  # a virtual pipeline needs a layer per chunk
         ckpt = write_tiny_model(kind, tmp_path / "ckpt", seed=0, num_hidden_layers=layers)
     report = tmp_path / "report.json"
     run_torchrun(
