@@ -242,6 +242,14 @@ rec = bridge_registry.provider_record(cfg)
 from dcr_tools.fixtures import hf_config, spec_for
 from dcr_tools.trainers.model import provider_settings
 g3 = provider_settings(hf_config(spec_for("gemma3")))
+refused = {}
+for key, extra in (("softcap", {"final_logit_softcapping": 30.0}),
+                   ("layer_types", {"layer_types": ["sliding_attention"] * 6})):
+    try:
+        provider_settings(hf_config(spec_for("gemma3", extra=extra)))
+        refused[key] = ""
+    except ValueError as e:
+        refused[key] = str(e)
 print(json.dumps({
     "core": cpu_compat.check_version(), "bridge": bridge_loader.check_version(),
     "registered": sorted(found.registrations), "unavailable": found.unavailable,
@@ -253,6 +261,7 @@ print(json.dumps({
     "gemma3": {k: g3[k] for k in ("layernorm_zero_centered_gamma", "interleaved_attn_pattern",
                "qk_layernorm", "window_size", "softmax_scale", "rotary_base",
                "share_embeddings_and_output_weights", "normalization")},
+    "gemma3_refused": refused,
 }))
 """
 
@@ -304,3 +313,6 @@ def test_the_trainer_env_resolves_the_verified_families() -> None:
             "rotary_base": [1e4, 1e6], "share_embeddings_and_output_weights": True,
             "normalization": "RMSNorm",
         }  # fmt: skip
+        # checkpoints the provider would not build faithfully are refused by name
+        assert "final_logit_softcapping" in r["gemma3_refused"]["softcap"]
+        assert "interleaved_attn_pattern" in r["gemma3_refused"]["layer_types"]
