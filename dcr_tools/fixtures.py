@@ -15,6 +15,12 @@ Kinds:
 6. ``deepseek-v3``: DeepSeek-V3 (``DeepseekV3ForCausalLM``) with `MLA_CONFIG`'s shape: MLA
    attention without query LoRA, a dense first layer, then routed experts with a shared expert
    and a score-correction bias.
+7. ``gemma3``: Gemma-3 text (``Gemma3ForCausalLM``, model_type ``gemma3_text``): 6 layers in
+   Gemma-3's pattern (5 sliding-window layers of window 8, then a global one; the pattern
+   megatron-bridge's ``Gemma3ModelProvider`` hard-codes as ``interleaved_attn_pattern=(5, 1)``),
+   RoPE bases 10 000 (local) / 1 000 000 (global), QK-norm, pre- and post-attention/MLP norms
+   (zero-centred: applied as ``1 + w``, so norm weights are stored near 0), tied embeddings,
+   GELU-tanh gated MLP, ``query_pre_attn_scalar`` = head_dim, no soft-capping.
 
 Every kind's architecture resolves to a megatron-bridge bridge
 (``megatron_dcr_hooks.bridge_registry``); how far each family is verified (owner side, end to
@@ -40,7 +46,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3")
+KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3", "gemma3")
 
 #: kind -> (HF architecture, HF model_type)
 FAMILIES = {
@@ -50,7 +56,11 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
+
+#: Gemma-3's layer pattern: 5 sliding-window layers, then one global layer (``gemma3`` kind)
+GEMMA3_PATTERN = (5, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +110,9 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
             "moe_intermediate_size": MLA_CONFIG["moe_intermediate_size"],
             "rope_theta": MLA_CONFIG["rope_theta"],
         }
+    elif kind == "gemma3":
+        # one full GEMMA3_PATTERN period, so a global layer (its own RoPE base) is included
+        base = {"num_hidden_layers": sum(GEMMA3_PATTERN), "tie_word_embeddings": True}
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     base.update(overrides)
@@ -110,6 +123,8 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     """The config.json contents for `spec` (transformers 5 / vLLM 0.32 readable)."""
     if spec.kind == "deepseek-v3":
         return _mla_hf_config(spec)
+    if spec.kind == "gemma3":
+        return _gemma3_hf_config(spec)
     moe = spec.num_experts > 0
     architecture, model_type = FAMILIES[spec.kind]
     cfg: dict[str, Any] = {
@@ -186,6 +201,51 @@ def _mla_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     return cfg
 
 
+def _gemma3_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """Gemma-3 text config in transformers 5's layout (``gemma3`` kind): per-layer-type
+    ``rope_parameters``, explicit ``layer_types`` following `GEMMA3_PATTERN`."""
+    local, full = GEMMA3_PATTERN
+    layer_types = [
+        "full_attention" if (i + 1) % (local + full) == 0 else "sliding_attention"
+        for i in range(spec.num_hidden_layers)
+    ]
+    cfg: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        },
+        "layer_types": layer_types,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": spec.head_dim,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_bidirectional_attention": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "use_cache": True,
+        "initializer_range": 0.02,
+    }
+    cfg.update(spec.extra)
+    return cfg
+
+
 def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical (HF) tensor names and shapes of `spec`, in checkpoint order."""
     if spec.kind == "deepseek-v3":
@@ -204,10 +264,13 @@ def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        if spec.kind.startswith("qwen3"):
+        if spec.kind.startswith("qwen3") or spec.kind == "gemma3":
             shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.kind == "gemma3":
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if spec.num_experts:
             inter = spec.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
@@ -226,8 +289,15 @@ def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def make_weights(spec: TinyModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Deterministic bf16 weights for `spec` (`random_weights` of its canonical shapes)."""
-    return random_weights(canonical_shapes(spec), seed)
+    """Deterministic bf16 weights for `spec` (`random_weights` of its canonical shapes).
+    Gemma-3's norms are zero-centred (applied as ``1 + w``): its norm weights are the usual
+    ``1 +- noise`` minus 1 (exact in bf16), so every kind applies a scale near 1."""
+    weights = random_weights(canonical_shapes(spec), seed)
+    if spec.kind == "gemma3":
+        for name, t in weights.items():
+            if name.endswith("norm.weight"):
+                weights[name] = t - 1
+    return weights
 
 
 def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:

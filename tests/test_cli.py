@@ -98,7 +98,7 @@ def test_bench_affine_classifies_every_verified_family(tmp_path: Path) -> None:
     r = _dcr("bench", "affine", "--json", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["family"]: row for row in json.loads(out.read_text())["families"]}
-    assert set(rows) == {"llama", "qwen2", "qwen3", "qwen3-moe"}
+    assert set(rows) == {"llama", "qwen2", "qwen3", "qwen3-moe", "gemma3"}
     for fam, row in rows.items():
         assert row["dcr"]["tiny"]["affine_share"] == 1.0, fam
         assert row["dcr"]["published"]["affine_share"] == 1.0, fam

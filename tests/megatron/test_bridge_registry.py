@@ -196,8 +196,16 @@ def test_provider_settings_come_from_the_bridge() -> None:
     # a family the CPU builder does not cover says which provider it needs
     from dcr_tools.trainers.model import provider_settings
 
-    with pytest.raises(ValueError, match="Gemma3ModelProvider"):
-        provider_settings(_cfg("Gemma3ForCausalLM"))
+    with pytest.raises(ValueError, match="Gemma2ModelProvider"):
+        provider_settings(_cfg("Gemma2ForCausalLM"))
+    # Gemma-3 is covered on megatron-bridge 0.6.2 (the trainer env, `_TRAINER_PROBE`); 0.3.1's
+    # Gemma3 provider_bridge loads the HF config again from a path and reads transformers 4's
+    # top-level RoPE fields, so it cannot run on a config dict
+    from dcr_tools.fixtures import hf_config, spec_for
+
+    if bridge_loader.check_version() == "0.3.1":
+        with pytest.raises(ValueError, match="_model_name_or_path"):
+            provider_settings(hf_config(spec_for("gemma3")))
     # an MLA family is covered: no query LoRA stays None (not MLATransformerConfig's 512), and
     # RoPE without YaRN is unscaled, as the real base provider_bridge sets them
     from dcr_tools.fixtures import MLA_CONFIG
@@ -231,6 +239,17 @@ cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 
        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "hidden_act": "silu",
        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "max_position_embeddings": 512}
 rec = bridge_registry.provider_record(cfg)
+from dcr_tools.fixtures import hf_config, spec_for
+from dcr_tools.trainers.model import provider_settings
+g3 = provider_settings(hf_config(spec_for("gemma3")))
+refused = {}
+for key, extra in (("softcap", {"final_logit_softcapping": 30.0}),
+                   ("layer_types", {"layer_types": ["sliding_attention"] * 6})):
+    try:
+        provider_settings(hf_config(spec_for("gemma3", extra=extra)))
+        refused[key] = ""
+    except ValueError as e:
+        refused[key] = str(e)
 print(json.dumps({
     "core": cpu_compat.check_version(), "bridge": bridge_loader.check_version(),
     "registered": sorted(found.registrations), "unavailable": found.unavailable,
@@ -239,6 +258,10 @@ print(json.dumps({
                     "LlamaForCausalLM")},
     "qwen3": {"rotary_base": rec.rotary_base, "qk_layernorm": rec.qk_layernorm,
               "activation": rec.activation_func.__name__},
+    "gemma3": {k: g3[k] for k in ("layernorm_zero_centered_gamma", "interleaved_attn_pattern",
+               "qk_layernorm", "window_size", "softmax_scale", "rotary_base",
+               "share_embeddings_and_output_weights", "normalization")},
+    "gemma3_refused": refused,
 }))
 """
 
@@ -281,3 +304,15 @@ def test_the_trainer_env_resolves_the_verified_families() -> None:
         assert all("transformer_engine" in e for e in r["unavailable"].values()), r["unavailable"]
     assert set(r["registries"].values()) == {"MegatronMappingRegistry"}
     assert r["qwen3"] == {"rotary_base": 1e6, "qk_layernorm": True, "activation": "silu"}
+    if r["bridge"] == "0.6.2":
+        # Gemma3ModelProvider's own defaults under its bridge's record (the fixture's config:
+        # window 8, query_pre_attn_scalar 32, RoPE bases 1e4 local / 1e6 global)
+        assert r["gemma3"] == {
+            "layernorm_zero_centered_gamma": True, "interleaved_attn_pattern": [5, 1],
+            "qk_layernorm": True, "window_size": 8, "softmax_scale": 1 / 32**0.5,
+            "rotary_base": [1e4, 1e6], "share_embeddings_and_output_weights": True,
+            "normalization": "RMSNorm",
+        }  # fmt: skip
+        # checkpoints the provider would not build faithfully are refused by name
+        assert "final_logit_softcapping" in r["gemma3_refused"]["softcap"]
+        assert "interleaved_attn_pattern" in r["gemma3_refused"]["layer_types"]

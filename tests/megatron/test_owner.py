@@ -36,6 +36,10 @@ CASES = [
     # SP, experts are TP-split (ETP=TP); the router's expert bias is a persistent fp32 buffer
     # updated outside the optimizer. ~50-90 s here (MLA's 512-wide latent), so slow lane
     _slow(("deepseek-v3-tp2", "deepseek-v3", 2, 1, [])),
+    # Gemma-3: 5 sliding-window layers + 1 global, norms fused into linear_qkv / linear_fc1
+    # (layer_norm_weight) and after linear_proj / linear_fc2 (post_layernorm), zero-centred
+    # gammas, tied embeddings (dcr_tools/trainers/gemma3.py)
+    ("gemma3-tp2", "gemma3", 2, 1, []),
 ]
 
 #: kind -> (oldest megatron-bridge that converts its CPU model, why older ones do not)
@@ -45,7 +49,15 @@ NEEDS_BRIDGE = {
         "megatron-bridge 0.3.1's DeepSeek mappings (models/deepseek/common.py) cover grouped-GEMM "
         "experts (experts.linear_fc1.weight*) only, not the local SequentialMLP experts "
         "(experts.local_experts.*) the CPU builder makes",
-    )
+    ),
+    "gemma3": (
+        "0.6.2",
+        "megatron-bridge 0.3.1's Gemma3 provider_bridge (models/gemma/gemma3_bridge.py) loads "
+        "the HF config again with AutoConfig.from_pretrained(hf_pretrained._model_name_or_path) "
+        "and reads rope_local_base_freq / rope_theta at the config's top level (transformers 4 "
+        "layout), so it cannot run on a transformers 5 config dict; 0.6.2 is the oldest checked "
+        "that does",
+    ),
 }
 
 
@@ -152,6 +164,11 @@ LAYOUTS = [
     # different stages (~50-90 s each: MLA's 512-wide latent)
     _slow(("deepseek-v3-ep2", "deepseek-v3", 2, 2, ["--ep", "2"])),
     _slow(("deepseek-v3-pp2", "deepseek-v3", 2, 2, ["--pp", "2"])),
+    # Gemma-3 (6 layers): SP (the fused pre-norms run on sequence shards before the linear's
+    # all-gather, the post-norms after its reduce-scatter) and PP=2 (tied embeddings across
+    # stages, the provider's embedding on the first stage only)
+    _slow(("gemma3-sp-tp2", "gemma3", 6, 2, ["--tp", "2", "--sp"])),
+    _slow(("gemma3-pp2", "gemma3", 6, 2, ["--pp", "2"])),
 ]
 
 
@@ -161,9 +178,9 @@ def test_owner_parallel_layouts(case, tiny_models, tmp_path: Path) -> None:
     _, kind, layers, ranks, extra = case
     _needs_bridge(kind)
     ckpt = tiny_models[kind]
-    if layers != 2:  # the fixtures have 2 layers; a virtual pipeline needs one per chunk
-        from dcr_tools.fixtures import write_tiny_model
+    from dcr_tools.fixtures import spec_for, write_tiny_model
 
+    if layers != spec_for(kind).num_hidden_layers:  # a virtual pipeline needs a layer per chunk
         ckpt = write_tiny_model(kind, tmp_path / "ckpt", seed=0, num_hidden_layers=layers)
     report = tmp_path / "report.json"
     run_torchrun(
