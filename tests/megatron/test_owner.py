@@ -36,6 +36,10 @@ CASES = [
     # SP, experts are TP-split (ETP=TP); the router's expert bias is a persistent fp32 buffer
     # updated outside the optimizer. ~50-90 s here (MLA's 512-wide latent), so slow lane
     _slow(("deepseek-v3-tp2", "deepseek-v3", 2, 1, [])),
+    # GPT-OSS: YaRN RoPE, attention sinks (learnable softmax offsets, TP-split), q/k/v/o and
+    # router biases, experts with biases and the clamped GLU, stacked in one HF tensor per
+    # layer (megatron-bridge's grouped export); MoE with TP=2 turns on SP, experts TP-split
+    ("gpt-oss-tp2", "gpt-oss", 2, 1, ["--etp", "1"]),
 ]
 
 #: kind -> (oldest megatron-bridge that converts its CPU model, why older ones do not)
@@ -45,7 +49,14 @@ NEEDS_BRIDGE = {
         "megatron-bridge 0.3.1's DeepSeek mappings (models/deepseek/common.py) cover grouped-GEMM "
         "experts (experts.linear_fc1.weight*) only, not the local SequentialMLP experts "
         "(experts.local_experts.*) the CPU builder makes",
-    )
+    ),
+    "gpt-oss": (
+        "0.6",
+        "megatron-bridge 0.3.1's GPT-OSS bridge stacks the per-expert exports into one HF "
+        "tensor in its bridge-level maybe_modify_converted_hf_weight, which DCR's conversion "
+        "does not call (0.6.2 marks the mappings is_grouped_export, which DCR stacks); checked "
+        "on 0.6.2 only",
+    ),
 }
 
 
