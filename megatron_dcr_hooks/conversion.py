@@ -158,7 +158,8 @@ class GroupedExports:
 def num_experts_of(model: Any) -> int:
     """``num_moe_experts`` of `model` (one model or its chunks), 0 without experts."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    return int(getattr(unwrap(chunks[0]).config, "num_moe_experts", None) or 0)
+    config = getattr(unwrap(chunks[0]), "config", None)
+    return int(getattr(config, "num_moe_experts", None) or 0)
 
 
 def unwrap(model: Any) -> torch.nn.Module:

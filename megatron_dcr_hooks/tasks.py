@@ -176,7 +176,7 @@ def classify_tasks(
     rank = groups.world.rank
     tag = (rank + 1) << ID_SHIFT
     tasks: list[Task] = []
-    configs = [pt.module.config for pt in param_tasks if pt.module is not None]
+    configs = [getattr(pt.module, "config", None) for pt in param_tasks if pt.module is not None]
     num_experts = int(getattr(configs[0], "num_moe_experts", None) or 0) if configs else 0
     for i, pt in enumerate(param_tasks):
         p = pt.param
