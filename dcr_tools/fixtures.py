@@ -21,6 +21,10 @@ Kinds:
    RoPE bases 10 000 (local) / 1 000 000 (global), QK-norm, pre- and post-attention/MLP norms
    (zero-centred: applied as ``1 + w``, so norm weights are stored near 0), tied embeddings,
    GELU-tanh gated MLP, ``query_pre_attn_scalar`` = head_dim, no soft-capping.
+8. ``gpt-oss``: GPT-OSS (``GptOssForCausalLM``): attention sinks, biases on q/k/v/o, 4 experts
+   (top-2) with stacked expert tensors and expert biases, the router's bias, alternating
+   sliding-window layers, YaRN RoPE with exactly the parameters megatron-bridge's GPT-OSS bridge
+   hard-codes (factor 32, original context 4096, beta_fast 32, beta_slow 1, no truncation).
 
 Every kind's architecture resolves to a megatron-bridge bridge
 (``megatron_dcr_hooks.bridge_registry``); how far each family is verified (owner side, end to
@@ -46,7 +50,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3", "gemma3")
+KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3", "gemma3", "gpt-oss")
 
 #: kind -> (HF architecture, HF model_type)
 FAMILIES = {
@@ -57,6 +61,7 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 
 #: Gemma-3's layer pattern: 5 sliding-window layers, then one global layer (``gemma3`` kind)
@@ -113,6 +118,16 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
     elif kind == "gemma3":
         # one full GEMMA3_PATTERN period, so a global layer (its own RoPE base) is included
         base = {"num_hidden_layers": sum(GEMMA3_PATTERN), "tie_word_embeddings": True}
+    elif kind == "gpt-oss":
+        # GPT-OSS experts use intermediate_size (no moe_intermediate_size); rms_norm_eps 1e-5 is
+        # what vLLM's GPT-OSS hard-codes
+        base = {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "rope_theta": 150_000.0,
+            "rms_norm_eps": 1e-5,
+        }
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     base.update(overrides)
@@ -125,6 +140,8 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         return _mla_hf_config(spec)
     if spec.kind == "gemma3":
         return _gemma3_hf_config(spec)
+    if spec.kind == "gpt-oss":
+        return _gpt_oss_hf_config(spec)
     moe = spec.num_experts > 0
     architecture, model_type = FAMILIES[spec.kind]
     cfg: dict[str, Any] = {
@@ -246,10 +263,97 @@ def _gemma3_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
     return cfg
 
 
+#: YaRN parameters megatron-bridge 0.6.2's GPT-OSS bridge sets whatever the HF config says
+#: (`gpt_oss_bridge.py`, `provider_bridge`); the fixture's config states the same ones so that
+#: trainer and vLLM use one RoPE
+GPT_OSS_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def _gpt_oss_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """config.json of the ``gpt-oss`` kind (transformers 5's `GptOssConfig` fields)."""
+    cfg: dict[str, Any] = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "num_local_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "sliding_window": 128,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(spec.num_hidden_layers)
+        ],
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_parameters": {"rope_theta": spec.rope_theta, **GPT_OSS_YARN},
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+        "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+        "initializer_range": 0.02,
+    }
+    cfg.update(spec.extra)
+    return cfg
+
+
+def _gpt_oss_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensors of the ``gpt-oss`` kind: experts stacked per layer, as in HF."""
+    h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
+    kv, e, inter = (
+        spec.num_key_value_heads * spec.head_dim,
+        spec.num_experts,
+        spec.intermediate_size,
+    )
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.q_proj.bias"] = (q,)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.k_proj.bias"] = (kv,)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
+        shapes[p + "self_attn.sinks"] = (spec.num_attention_heads,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.router.weight"] = (e, h)
+        shapes[p + "mlp.router.bias"] = (e,)
+        shapes[p + "mlp.experts.gate_up_proj"] = (e, h, 2 * inter)
+        shapes[p + "mlp.experts.gate_up_proj_bias"] = (e, 2 * inter)
+        shapes[p + "mlp.experts.down_proj"] = (e, inter, h)
+        shapes[p + "mlp.experts.down_proj_bias"] = (e, h)
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
 def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical (HF) tensor names and shapes of `spec`, in checkpoint order."""
     if spec.kind == "deepseek-v3":
         return mla_shapes(hf_config(spec))
+    if spec.kind == "gpt-oss":
+        return _gpt_oss_shapes(spec)
     h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}

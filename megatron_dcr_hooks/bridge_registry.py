@@ -216,6 +216,18 @@ class ProviderRecord(types.SimpleNamespace):
     ``provider_class`` (the class the real bridge would instantiate)."""
 
 
+def _yarn_scaling(hf_config: Any) -> tuple[str, Mapping[str, Any]] | None:
+    """(config key, scaling dict) when `hf_config` asks for YaRN RoPE scaling. transformers 5
+    keeps the scaling in ``rope_parameters``, older configs in ``rope_scaling`` (megatron-bridge
+    0.6.2's base reads ``rope_scaling`` only; a transformers-5 config object serves the same
+    dict under both names)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = getattr(hf_config, key, None)
+        if isinstance(rope, dict) and (rope.get("type") or rope.get("rope_type")) == "yarn":
+            return key, rope
+    return None
+
+
 class _StubBridgeBase:
     """Minimal stand-in for ``model_bridge.MegatronModelBridge`` while bridge modules import."""
 
@@ -302,19 +314,45 @@ class _StubBridgeBase:
 
     def provider_bridge(self, hf_pretrained: Any) -> ProviderRecord:
         hf_config = hf_pretrained.config
-        # transformers 5 keeps the scaling in rope_parameters, older configs in rope_scaling
-        for key in ("rope_scaling", "rope_parameters"):
-            rope = getattr(hf_config, key, None)
-            if isinstance(rope, dict) and (rope.get("type") or rope.get("rope_type")) == "yarn":
-                raise CompatibilityError(
-                    f"DCR's provider record does not translate YaRN RoPE scaling ({key})"
-                )
         record = ProviderRecord(**self.hf_config_to_provider_kwargs(hf_config))
         pc = self.PROVIDER_CLASS
         record.provider_class = None if pc is None else _source_of(pc)
+        yarn = _yarn_scaling(hf_config)
         if record.provider_class == "MLAModelProvider":
+            if yarn is not None:
+                raise CompatibilityError(
+                    f"DCR's provider record does not translate YaRN RoPE scaling ({yarn[0]}) "
+                    "for an MLAModelProvider (MLA's rotary_scaling_factor / mscale fields)"
+                )
             self._mla_provider_settings(hf_config, record)
+        elif yarn is not None:
+            self._yarn_provider_settings(yarn[1], record)
         return record
+
+    #: (HF rope-scaling key, provider field): megatron-bridge 0.6.2's
+    #: ``MegatronModelBridge.YARN_ROPE_SCALING_MAPPING`` (model_bridge.py)
+    YARN_ROPE_SCALING_MAPPING: list[tuple[str, str]] = [
+        ("factor", "yarn_rotary_scaling_factor"),
+        ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+        ("beta_fast", "yarn_beta_fast"),
+        ("beta_slow", "yarn_beta_slow"),
+        ("mscale", "yarn_mscale"),
+        ("mscale_all_dim", "yarn_mscale_all_dim"),
+    ]
+
+    def _yarn_provider_settings(self, rope: Mapping[str, Any], record: ProviderRecord) -> None:
+        """What the real base ``hf_config_to_provider_kwargs`` / ``provider_bridge``
+        (megatron-bridge 0.6.2, model_bridge.py) do for YaRN scaling on a GPT provider:
+        ``position_embedding_type = "yarn"``, every ``YARN_ROPE_SCALING_MAPPING`` key the config
+        has (not None) onto its ``yarn_*`` field, ``truncate`` onto
+        ``yarn_correction_range_round_to_int``. A family's own ``provider_bridge`` may then set
+        other values (GPT-OSS's sets all of them); the record keeps what it finally holds."""
+        record.position_embedding_type = "yarn"
+        for hf_key, field_name in self.YARN_ROPE_SCALING_MAPPING:
+            if rope.get(hf_key) is not None:
+                setattr(record, field_name, rope[hf_key])
+        if "truncate" in rope:
+            record.yarn_correction_range_round_to_int = rope["truncate"]
 
     def _mla_provider_settings(self, hf_config: Any, record: ProviderRecord) -> None:
         """What the real base ``provider_bridge`` (megatron-bridge 0.6.2,

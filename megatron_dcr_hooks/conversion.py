@@ -23,6 +23,13 @@ Limitations:
    ``ep_rank * E/EP + i`` before the registry lookup.
 2. Under PP every conversion broadcasts the whole (TP-local) shard across the pipeline group;
    DCR converts only probes (once), residual tasks and mode F that way.
+3. Grouped exports (megatron-bridge mappings with ``is_grouped_export``, e.g. GPT-OSS's
+   ``mlp.experts.gate_up_proj``: one HF tensor stacks every expert's converted tensor along a
+   new leading dimension) are stacked by `GroupedExports` as megatron-bridge 0.6.2's
+   ``_accumulate_grouped_export`` does, with expert parallelism 1 only (under EP > 1 the
+   bridge's gathered layout was not checked here: ValueError) and without
+   ``transpose_on_export`` (ValueError). Expert ``e``'s converted tensor is the slice ``[e]``
+   of the stacked one, so its flat canonical index is ``e * slice size + index in the slice``.
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ class ParamTask:
         return self.param is not None
 
     @property
+    def mapping_grouped(self) -> bool:
+        """Whether the mapping is a grouped export (module docstring, limitation 3)."""
+        return bool(getattr(self.mapping, "is_grouped_export", False))
+
+    @property
     def hf_names(self) -> list[str]:
         hf = self.mapping.hf_param
         return [hf] if isinstance(hf, str) else list(hf.values())
@@ -85,6 +97,69 @@ def megatron_to_hf(task: ParamTask, tensor: torch.Tensor | None) -> dict[str, to
     if getattr(task.mapping, "pp_size", 1) > 1:
         _clear_pp_caches(task.mapping)
     return task.mapping.megatron_to_hf(tensor, task.module)
+
+
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.|\.(?:weight|bias)(\d+)$")
+
+
+def grouped_expert(task: ParamTask) -> int | None:
+    """The EP-global expert index of `task` if its mapping is a grouped export (module
+    docstring, limitation 3), else None. ValueError for a grouped export DCR does not stack."""
+    mapping = task.mapping
+    if not task.mapping_grouped:
+        return None
+    if getattr(mapping, "transpose_on_export", False):
+        raise ValueError(
+            f"{task.global_name}: {type(mapping).__name__} transposes grouped exports by "
+            "comparing with the HF checkpoint's shape; DCR does not stack such mappings"
+        )
+    if int(getattr(mapping, "ep_size", 1) or 1) > 1:
+        raise ValueError(
+            f"{task.global_name}: grouped export ({type(mapping).__name__}) under expert "
+            "parallelism > 1 is not supported by DCR (the bridge's EP-gathered layout was not "
+            "checked)"
+        )
+    m = _EXPERT.search(task.global_name)
+    if m is None:
+        raise ValueError(f"{task.global_name}: grouped export without an expert index")
+    return int(m.group(1) or m.group(2))
+
+
+class GroupedExports:
+    """Stacks the per-expert outputs of grouped-export tasks into their HF tensors (module
+    docstring, limitation 3). `add` returns a task's canonical tensors: other tasks' outputs
+    unchanged, a grouped task's only once every expert of its group was added (then the
+    stacked tensor), else nothing. `finish` raises if a group stayed incomplete."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self._parts: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, task: ParamTask, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        expert = grouped_expert(task)
+        if expert is None:
+            return out
+        done: dict[str, torch.Tensor] = {}
+        for name, tensor in out.items():
+            parts = self._parts.setdefault(name, {})
+            parts[expert] = tensor
+            if len(parts) == self.num_experts:
+                done[name] = torch.stack([parts[e] for e in range(self.num_experts)])
+                del self._parts[name]
+        return done
+
+    def finish(self) -> None:
+        if self._parts:
+            raise ValueError(
+                f"grouped exports incomplete (experts missing): {sorted(self._parts)[:5]}"
+            )
+
+
+def num_experts_of(model: Any) -> int:
+    """``num_moe_experts`` of `model` (one model or its chunks), 0 without experts."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = getattr(unwrap(chunks[0]), "config", None)
+    return int(getattr(config, "num_moe_experts", None) or 0)
 
 
 def unwrap(model: Any) -> torch.nn.Module:
@@ -295,15 +370,17 @@ def iter_hf_export(
     rank's model chunks.
     """
     seen: set[str] = set()
+    grouped = GroupedExports(num_experts_of(model))
     with torch.no_grad():
         for task in conversion_tasks(model, architecture):
             shard = task.param.detach() if task.param is not None else None
-            out = megatron_to_hf(task, shard)
+            out = grouped.add(task, megatron_to_hf(task, shard))
             for name, tensor in out.items():
                 if name in seen:
                     continue
                 seen.add(name)
                 yield name, tensor.detach().clone().contiguous()
+    grouped.finish()
 
 
 def export_hf_weights(model: Any, architecture: str | Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks.conversion import megatron_to_hf
+from megatron_dcr_hooks.conversion import GroupedExports, megatron_to_hf, num_experts_of
 from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.ownership import owns, residual_owner
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
@@ -276,13 +276,15 @@ class DCRHook:
     def _convert(self, tasks: list[Task]) -> dict[str, torch.Tensor]:
         """Canonical tensors of `tasks` via the bridge (collective), kept if this rank owns them."""
         mine: dict[str, torch.Tensor] = {}
+        grouped = GroupedExports(num_experts_of(self.chunks))
         with torch.no_grad():
             for t in tasks:
                 shard = t.param.detach() if t.local else None
-                out = megatron_to_hf(t.param_task, shard)
+                out = grouped.add(t.param_task, megatron_to_hf(t.param_task, shard))
                 for name, tensor in out.items():
                     if residual_owner(name, self.world) == self.rank:
                         mine[name] = tensor.detach().to("cpu").contiguous().clone()
+        grouped.finish()
         return mine
 
     def _init_residual_baseline(self) -> None:
@@ -452,7 +454,13 @@ class DCRHook:
         if full:
             flags.fill_(1)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups.world.group)
-        selected = [t for i, t in enumerate(self.residual_tasks) if flags[i]]
+        # a grouped export (every expert stacked in one HF tensor) converts all its experts
+        hit = {n for i, t in enumerate(self.residual_tasks) if flags[i] for n in t.hf_shapes}
+        selected = [
+            t
+            for i, t in enumerate(self.residual_tasks)
+            if flags[i] or (t.param_task.mapping_grouped and not hit.isdisjoint(t.hf_shapes))
+        ]
         converted = self._convert(selected)
         rep.residual_tasks_converted = len(selected)
         for name, new in converted.items():

@@ -23,6 +23,15 @@ everywhere), so every rank walks the same residual conversions.
 Limitations:
 1. Probing allocates int64 copies of each canonical tensor transiently (one task at a time).
 2. A conversion that changes dtype is residual (XOR masks would not carry over).
+3. A task is *replicated* (owned among the TP x DP ranks) when its parameter lacks megatron's
+   ``tensor_model_parallel`` attribute and its probe shows no other rank's ids in the canonical
+   output. megatron-core 0.19.2's local ``DotProductAttention`` creates the learnable softmax
+   offsets (GPT-OSS's attention sinks) per TP partition of the heads without that attribute
+   (``transformer/dot_product_attention.py`` lines 126-136); the bridge gathers them over TP, so
+   the probe classifies them as split.
+4. A grouped export (``conversion.grouped_expert``: one HF tensor stacking every expert) maps
+   expert ``e``'s slice to canonical flat indices ``e * slice size + i`` of the stacked tensor,
+   whose shape (experts first) is the task's ``hf_shapes``.
 """
 
 from __future__ import annotations
@@ -36,7 +45,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_dcr_hooks.conversion import ParamTask, conversion_tasks, megatron_to_hf
+from megatron_dcr_hooks.conversion import (
+    ParamTask,
+    conversion_tasks,
+    grouped_expert,
+    megatron_to_hf,
+)
 from megatron_dcr_hooks.groups import ParallelGroups
 from shared_codec.errors import OwnerBuildError
 
@@ -162,6 +176,8 @@ def classify_tasks(
     rank = groups.world.rank
     tag = (rank + 1) << ID_SHIFT
     tasks: list[Task] = []
+    configs = [getattr(pt.module, "config", None) for pt in param_tasks if pt.module is not None]
+    num_experts = int(getattr(configs[0], "num_moe_experts", None) or 0) if configs else 0
     for i, pt in enumerate(param_tasks):
         p = pt.param
         ids = None
@@ -173,6 +189,13 @@ def classify_tasks(
             real = _probe(pt, p.detach() if p is not None else None)
         names = sorted(out)
         hf_shapes = {k: tuple(out[k].shape) for k in names}
+        # a grouped export's output is expert e's slice [e] of the stacked HF tensor
+        expert = grouped_expert(pt)
+        offset = 0
+        if expert is not None:
+            hf_shapes = {k: (num_experts, *shape) for k, shape in hf_shapes.items()}
+            if len({out[k].numel() for k in names}) > 1:
+                raise OwnerBuildError(f"{pt.global_name}: grouped export of unequal slices")
         dtypes = {v.dtype for v in real.values()}
         affine = (
             type(pt.mapping).__name__ not in force_residual
@@ -182,6 +205,7 @@ def classify_tasks(
             and (p is None or dtypes == {p.dtype})
         )
         local_l, name_l, hf_l = [], [], []
+        foreign = False  # ids of other ranks in the canonical output: a gathered (split) shard
         if affine and p is not None:
             n = p.numel()
             for j, k in enumerate(names):
@@ -191,8 +215,11 @@ def classify_tasks(
                     affine = False  # not a pure placement of source ids
                     break
                 mine = torch.nonzero(rank_of == rank + 1).reshape(-1)
+                foreign = foreign or mine.numel() < flat.numel()
+                if expert is not None:
+                    offset = expert * flat.numel()
                 local_l.append((flat[mine] - tag).numpy())
-                hf_l.append(mine.numpy().astype(np.int64))
+                hf_l.append(mine.numpy().astype(np.int64) + offset)
                 name_l.append(np.full(mine.numel(), j, dtype=np.int32))
         amap = None
         if affine and p is not None:
@@ -213,7 +240,11 @@ def classify_tasks(
                 amap=amap,
                 hf_shapes=hf_shapes,
                 hf_dtype=next(iter(dtypes)) if len(dtypes) == 1 else None,
-                replicated=p is not None and not bool(getattr(p, "tensor_model_parallel", False)),
+                # a shard the conversion gathers with other ranks' shards is split even without
+                # megatron's attribute (the local attention's learnable softmax offsets)
+                replicated=p is not None
+                and not bool(getattr(p, "tensor_model_parallel", False))
+                and not foreign,
                 expert=p is not None and not bool(getattr(p, "allreduce", True)),
             )
         )

@@ -21,6 +21,16 @@ from shared_codec.format import decode_payload
 # the tiny DeepSeek-V3 fixture: layer 0 dense, layer 1 MoE (dcr_tools/fixtures.py MLA_CONFIG)
 ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 MLA_DERIVED = ("W_UK_T", "W_UV")
+# the tiny GPT-OSS fixture (2 layers): tensors vLLM's GPT-OSS loader copies transposed
+# (``permute(0, 2, 1).contiguous()``), and others the test checks
+GPT_OSS_TRANSFORMED = tuple(
+    f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")
+)
+GPT_OSS_OTHER = tuple(
+    f"model.layers.{i}.{w}"
+    for i in range(2)
+    for w in ("self_attn.sinks", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
+)
 
 
 @pytest.mark.megatron
@@ -39,16 +49,23 @@ MLA_DERIVED = ("W_UK_T", "W_UV")
         pytest.param("deepseek-v3", 2, 1, 2, marks=pytest.mark.slow),
         # sliding-window + global layers, pre/post norms, zero-centred gammas, tied embeddings
         pytest.param("gemma3", 2, 1, 1, marks=pytest.mark.slow),
+        # sinks, YaRN, biased stacked experts; ETP=1 (megatron allows expert biases only there)
+        pytest.param("gpt-oss", 2, 1, 1, marks=pytest.mark.slow),
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
     kind: str, tp: int, ep: int, engine_tp: int, tiny_models, tmp_path: Path
 ) -> None:
     exports = tmp_path / "exports"
+    extra = []
+    if kind == "gpt-oss":
+        # the receivers' prewarm reports these as overwrite-only (vLLM's GPT-OSS loader copies
+        # them transposed: a transformed copy); owners are configured with that set
+        extra = ["--etp", "1", "--overwrite-only", ",".join(GPT_OSS_TRANSFORMED)]
     run_torchrun(
         REPO / "tests/megatron/worker_owner.py",
         ["--ckpt", str(tiny_models[kind]), "--tp", str(tp), "--ep", str(ep), "--dir", str(tmp_path / "p"),
-         "--report", str(tmp_path / "owner.json"), "--save-exports", str(exports)],
+         "--report", str(tmp_path / "owner.json"), "--save-exports", str(exports), *extra],
         tmp=tmp_path,
     )  # fmt: skip
     out = tmp_path / "engine.json"
@@ -75,7 +92,9 @@ def test_training_step_refit_is_bit_exact_on_vllm(
     assert len(r["prewarm"]) == len(r["ack"]) == engine_tp  # every engine rank reported
     for rank in range(engine_tp):
         prewarm = r["prewarm"][rank]
-        assert prewarm["overwrite_only"] == {} and prewarm["unsupported"] == {}, prewarm
+        overwrite_only = set(GPT_OSS_TRANSFORMED) if kind == "gpt-oss" else set()
+        assert set(prewarm["overwrite_only"]) == overwrite_only, prewarm
+        assert prewarm["unsupported"] == {}, prewarm
         assert len(r["stage"][rank]["staged"]) == r["n_payloads"] > 1
         ack = r["ack"][rank]
         assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
@@ -89,6 +108,34 @@ def test_training_step_refit_is_bit_exact_on_vllm(
         # derives nothing: the zero-centred norms apply in place like any weight
         found = r["prewarm"][0]["derived"]
         assert found["traced"] and found["tensors"] == [] and found["views"] == [], found
+    if kind == "gpt-oss":
+        _check_gpt_oss(r, exports, tmp_path / "p" / "v1_X")
+
+
+def _check_gpt_oss(r: dict, exports: Path, payloads: Path) -> None:
+    v0, v1 = load_checkpoint(exports / "v0"), load_checkpoint(exports / "v1")
+    items = [
+        it for f in sorted(payloads.glob("*.bin")) for it in decode_payload(f.read_bytes()).items
+    ]
+    t_delta, t_dense, t_v0 = (r[f"tensors_{tag}"][0] for tag in ("delta", "dense", "v0"))
+    # the stacked expert tensors, their biases and the attention sinks moved, shipped (the
+    # transposed-copy tensors as overwrites only), and the engine holds the dense load's bits
+    for name in (*GPT_OSS_TRANSFORMED, *GPT_OSS_OTHER):
+        moved = int((v0[name].view(torch.int16) != v1[name].view(torch.int16)).sum())
+        mine = [it for it in items if it.name == name]
+        assert moved > 0 and sum(it.count for it in mine) == moved, name
+        if name in GPT_OSS_TRANSFORMED:
+            assert {it.kind.name for it in mine} == {"OVERWRITE"}, name
+    params = {
+        "self_attn.sinks": "attn.sinks",
+        "mlp.experts.gate_up_proj": "mlp.experts.routed_experts.w13_weight",
+        "mlp.experts.down_proj": "mlp.experts.routed_experts.w2_weight",
+    }
+    for i in range(2):
+        for suffix in params.values():
+            keys = [k for k in t_delta if k.startswith(f"model.layers.{i}.") and k.endswith(suffix)]
+            assert len(keys) == 1, (suffix, sorted(t_delta)[:50])
+            assert t_delta[keys[0]] == t_dense[keys[0]] != t_v0[keys[0]], keys[0]
 
 
 def _check_deepseek_v3(r: dict, exports: Path, payloads: Path, rank: int) -> None:

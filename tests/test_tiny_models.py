@@ -67,6 +67,7 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
         ("qwen2", qwen2),
         ("deepseek-v3", load_checkpoint(tiny_models["deepseek-v3"])),
         ("gemma3", gemma3),
+        ("gpt-oss", load_checkpoint(tiny_models["gpt-oss"])),
     ):
         shapes = canonical_shapes(spec_for(kind))
         assert {n: tuple(t.shape) for n, t in weights.items()} == shapes

@@ -21,7 +21,9 @@ Limitations:
    the patch is requested, instead of patching blindly.
 2. Non-2-D weights other than MoE experts (e.g. causal-conv weights of Mamba layers) keep vLLM's
    own handling; a layout change there is detected and refused by the receiver's prewarm.
-3. Only the SiLU / GELU gated activations are implemented in the PyTorch MoE path.
+3. Only the SiLU / GELU gated activations and GPT-OSS's clamped ``swigluoai`` (gate/up rows
+   interleaved, alpha 1.702, limit 7.0: vLLM's ``SwigluOAIAndMul`` defaults, which its
+   ``swigluoai_and_mul`` kernel uses for MoE) are implemented in the PyTorch MoE path.
 
 "DCR is enabled" in a process when either the environment variable ``VLLM_DCR_RESIDENT_WEIGHTS``
 is ``1``, or the worker extension ``vllm_dcr_plugin.DCRWorkerExtension`` has been resolved in that
@@ -86,6 +88,14 @@ def _resident_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def _swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU (`vllm.model_executor.layers.activation.SwigluOAIAndMul`)."""
+    alpha, limit = 1.702, 7.0
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _torch_moe_apply(
     self: Any,
     output: torch.Tensor,
@@ -114,7 +124,11 @@ def _torch_moe_apply(
         gu = torch.nn.functional.linear(x, w1[e], None if w1_bias is None else w1_bias[e])
         inter = gu.shape[-1] // 2
         gate, up = gu[:, :inter], gu[:, inter:]
-        if act_name == "silu":
+        if act_name in ("swigluoai", "swigluoai_uninterleave"):
+            if act_name == "swigluoai":  # w13 rows are [gate0, up0, gate1, up1, ...]
+                gate, up = gu[:, ::2], gu[:, 1::2]
+            h = _swiglu_oai(gate, up)
+        elif act_name == "silu":
             h = torch.nn.functional.silu(gate) * up
         elif act_name in ("gelu", "gelu_tanh"):
             approx = "tanh" if act_name == "gelu_tanh" else "none"

@@ -11,7 +11,9 @@ NeMo, Megatron-Bridge providers); DCR only needs the model chunks and the optimi
 Limitations:
 1. GPT-style families whose provider is ``GPTModelProvider`` or ``MLAModelProvider`` and whose
    norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3
-   with multi-latent attention, dense first layers and shared experts), and
+   with multi-latent attention, dense first layers and shared experts, GPT-OSS with YaRN RoPE,
+   learnable softmax offsets (attention sinks), alternating sliding-window layers, expert and
+   router biases and the clamped GLU, all megatron-core 0.19.2 local features), and
    ``Gemma3ModelProvider`` (`dcr_tools.trainers.gemma3`: its own modules plus local stand-ins
    for its Transformer Engine ones; checked end to end); Mamba and other provider classes raise
    ValueError naming the provider. MLA families get megatron's
@@ -55,6 +57,16 @@ Limitations:
    tensor size``); such layouts pass ``moe_token_dispatcher_type="allgather"`` as an override
    (equal-sized all-gather and reduce-scatter over the TP x EP group). The expert parameter
    layout does not depend on the dispatcher.
+6. Expert biases (GPT-OSS) with SequentialMLP at EP=1 under sequence parallelism: megatron-core
+   0.19.2 allows biased experts only at ETP=1 (``transformer_config.py`` line 2280, "Bias in
+   Moe is only supported when ETP==1"), and then an expert's ``RowParallelLinear`` has no
+   explicit expert communication (``tensor_parallel/layers.py`` line 1326: a 1-rank group and
+   EP=1), so its forward runs the SP reduce-scatter on a 1-rank group, which returns its input
+   as is (``mappings.py`` line 171), and ``MLP.forward`` then adds the expert bias in place
+   (``transformer/mlp.py`` line 354, ``output += ...``): autograd refuses with "Output 0 of
+   _ReduceScatterToSequenceParallelRegion is a view and is being modified inplace". The local
+   spec's expert ``linear_fc2`` is `expert_row_linear`, which clones that output (bit-identical
+   values and gradients). Only for MoE families with ``add_bias_linear``.
 """
 
 from __future__ import annotations
@@ -183,10 +195,10 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         record = {**gemma3.provider_defaults(), **record}
         gemma3.check_hf_config(hf_config, record)
     arch = record.pop("architecture")
-    if record.get("position_embedding_type", "rope") != "rope":
+    if record.get("position_embedding_type", "rope") not in ("rope", "yarn"):
         raise ValueError(
             f"{arch}: position embedding {record['position_embedding_type']!r}; the CPU builder "
-            "covers plain RoPE only"
+            "covers RoPE and YaRN RoPE only"
         )
     if record.get("normalization", "LayerNorm") != "RMSNorm":
         raise ValueError(
@@ -237,6 +249,11 @@ def transformer_config_from_hf(
         kwargs.update(_CPU_MLA_SETTINGS)
     kwargs.update(overrides)
     config = config_class(**kwargs)
+    # YaRN's parameters are GPTModelProvider fields, not TransformerConfig ones; GPTModel reads
+    # them from its config (``getattr(self.config, "yarn_...")``), as it does on the provider
+    for name, value in settings.items():
+        if name.startswith("yarn_") and name not in fields:
+            setattr(config, name, value)
     if "interleaved_attn_pattern" in settings:  # Gemma-3: read by the provider's own modules
         from dcr_tools.trainers import gemma3
 
@@ -266,11 +283,52 @@ def layer_spec(config: Any) -> Any:
     sub = spec.submodules
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
+    if config.num_moe_experts and config.add_bias_linear:
+        _use_expert_row_linear(sub.mlp)
     if config.qk_layernorm:
         attn = sub.self_attention.submodules
         attn.q_layernorm = SPRMSNorm
         attn.k_layernorm = SPRMSNorm
     return spec
+
+
+_EXPERT_ROW_LINEAR: list[type] = []
+
+
+def expert_row_linear() -> type:
+    """megatron-core's ``RowParallelLinear`` whose output is a fresh tensor when its (expert)
+    tensor-parallel group has one rank and no explicit expert communication (module docstring,
+    limitation 6). Same values, same gradients: the clone is the fix autograd's error names."""
+    if _EXPERT_ROW_LINEAR:
+        return _EXPERT_ROW_LINEAR[0]
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            output, bias = super().forward(input_)
+            if not self.explicit_expert_comm and self.input_size_per_partition == self.input_size:
+                output = output.clone()  # the 1-rank reduction returned its input as is
+            return output, bias
+
+    # megatron-bridge's AutoMapping tells parallelism by module class name; its own API for a
+    # custom module class
+    from megatron_dcr_hooks.bridge_loader import load_conversion
+
+    auto = load_conversion().param_mapping.AutoMapping
+    auto.register_module_type(ExpertRowParallelLinear.__name__, "row")
+    _EXPERT_ROW_LINEAR.append(ExpertRowParallelLinear)
+    return ExpertRowParallelLinear
+
+
+def _use_expert_row_linear(mlp: Any) -> None:
+    """Route SequentialMLP experts' ``linear_fc2`` through `expert_row_linear` in a local MoE
+    spec (megatron-core 0.19.2: ``partial(MoELayer, submodules=MoESubmodules(experts=
+    partial(SequentialMLP, submodules=MLPSubmodules(...))))``); other spec shapes unchanged."""
+    moe_sub = getattr(mlp, "keywords", {}).get("submodules")
+    experts = getattr(moe_sub, "experts", None)
+    exp_sub = getattr(experts, "keywords", {}).get("submodules")
+    if exp_sub is not None and hasattr(exp_sub, "linear_fc2"):
+        exp_sub.linear_fc2 = expert_row_linear()
 
 
 _MLA_CORE_ATTENTION: list[type] = []

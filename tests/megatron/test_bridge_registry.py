@@ -215,18 +215,42 @@ def test_provider_settings_come_from_the_bridge() -> None:
     assert (mla["kv_lora_rank"], mla["qk_pos_emb_head_dim"], mla["v_head_dim"]) == (512, 64, 512)
     assert (mla["rotary_scaling_factor"], mla["mscale_all_dim"]) == (1.0, 1.0)
     assert mla["position_embedding_type"] == "rope"
-    # YaRN (GPT-OSS) is refused, whether the config carries it as rope_scaling or (transformers
-    # 5) rope_parameters, and a non-RoPE position embedding set by a bridge is refused too
+    # YaRN on a GPT provider is recorded as the real base provider_bridge maps it, whether the
+    # config carries it as rope_scaling or (transformers 5) rope_parameters
+    from dcr_tools.fixtures import GPT_OSS_YARN, hf_config, spec_for
     from shared_codec.errors import CompatibilityError
 
-    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
-    oss = _cfg("GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2, sliding_window=128)
+    yarn = {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024,
+        "beta_fast": 16.0, "beta_slow": 2.0, "truncate": True,
+    }  # fmt: skip
+    # (the family's own provider_bridge has the last word on position_embedding_type:
+    # megatron-bridge 0.3.1's Qwen3 bridge sets "rope" after the base, 0.6.2's leaves "yarn")
+    want = {
+        "yarn_rotary_scaling_factor": 8.0,
+        "yarn_original_max_position_embeddings": 1024, "yarn_beta_fast": 16.0,
+        "yarn_beta_slow": 2.0, "yarn_correction_range_round_to_int": True,
+    }  # fmt: skip
+    qwen3 = _cfg("Qwen3ForCausalLM")
+    for key in ("rope_scaling", "rope_parameters"):
+        got = provider_settings({**qwen3, key: {**yarn, "rope_theta": 500000.0}})
+        assert {k: got.get(k) for k in want} == want, key
+    # GPT-OSS's own provider_bridge then sets its YaRN values whatever the config says; the
+    # fixture's config states the same ones
+    oss = provider_settings({**hf_config(spec_for("gpt-oss")), "rope_parameters": yarn})
+    assert oss["position_embedding_type"] == "yarn"
+    assert (
+        oss["yarn_rotary_scaling_factor"], oss["yarn_original_max_position_embeddings"],
+        oss["yarn_beta_fast"], oss["yarn_beta_slow"], oss["yarn_correction_range_round_to_int"],
+    ) == (
+        GPT_OSS_YARN["factor"], GPT_OSS_YARN["original_max_position_embeddings"],
+        GPT_OSS_YARN["beta_fast"], GPT_OSS_YARN["beta_slow"], GPT_OSS_YARN["truncate"],
+    )  # fmt: skip
+    # attention sinks, sliding window (0.6.2: (sliding_window - 1, 0), 0.3.1: (sliding_window, 0))
+    assert oss["softmax_type"] == "learnable" and oss["window_size"] in ((127, 0), (128, 0))
+    # YaRN on an MLA provider is not translated: refused, not dropped
     with pytest.raises(CompatibilityError, match="YaRN"):
-        provider_settings({**oss, "rope_scaling": yarn})
-    with pytest.raises(CompatibilityError, match="YaRN"):
-        provider_settings({**oss, "rope_parameters": {**yarn, "rope_theta": 150000.0}})
-    with pytest.raises(ValueError, match="position embedding 'yarn'"):
-        provider_settings(oss)  # the GPT-OSS bridge itself sets position_embedding_type="yarn"
+        provider_settings({**MLA_CONFIG, "rope_scaling": yarn})
 
 
 _TRAINER_PROBE = """

@@ -46,6 +46,11 @@ def main() -> None:
         "--check-skip", action="store_true", help="a non-finite step must publish nothing"
     )
     ap.add_argument("--force-residual", default="")
+    ap.add_argument(
+        "--overwrite-only",
+        default="",
+        help="canonical tensors to send as overwrites (the receivers' prewarm overwrite_only)",
+    )
     ap.add_argument("--dir", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--save-exports", default="", help="rank 0 writes the v0/v1 exports here")
@@ -82,6 +87,7 @@ def main() -> None:
         "bucket_bytes": 4096,
         "wrap_step": False,
         "force_residual": force,
+        "overwrite_only": frozenset(x for x in args.overwrite_only.split(",") if x),
         "hf_config": cfg,  # DeepSeek-V3's bridge builds its mapping registry from the config
     }
     chunks = trainer.chunks  # DDP-wrapped, as a Megatron training loop holds them
