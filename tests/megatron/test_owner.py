@@ -36,6 +36,12 @@ CASES = [
     # SP, experts are TP-split (ETP=TP); the router's expert bias is a persistent fp32 buffer
     # updated outside the optimizer. ~50-90 s here (MLA's 512-wide latent), so slow lane
     _slow(("deepseek-v3-tp2", "deepseek-v3", 2, 1, [])),
+    # Nemotron-H (hybrid Mamba-2 / attention / MLP, pattern M*M-): megatron-core's HybridModel
+    # with local specs; the Mamba scan kernels are dcr_tools/trainers/mamba_reference.py's
+    # labelled plain-PyTorch stand-in (mamba_ssm is CUDA-only). in_proj [z x B C dt] and
+    # conv1d [x B C] are per-component TP splits; A_log and D are fp32 parameters. Both lanes:
+    # HybridModel (megatron-core 0.19.2 / bridge 0.6.2) and MambaModel (0.16.1 / bridge 0.3.1)
+    ("nemotron-h-tp2", "nemotron-h", 2, 1, []),
 ]
 
 #: kind -> (oldest megatron-bridge that converts its CPU model, why older ones do not)
@@ -45,7 +51,7 @@ NEEDS_BRIDGE = {
         "megatron-bridge 0.3.1's DeepSeek mappings (models/deepseek/common.py) cover grouped-GEMM "
         "experts (experts.linear_fc1.weight*) only, not the local SequentialMLP experts "
         "(experts.local_experts.*) the CPU builder makes",
-    )
+    ),
 }
 
 
