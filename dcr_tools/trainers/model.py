@@ -54,21 +54,22 @@ Limitations:
    tensor size``); such layouts pass ``moe_token_dispatcher_type="allgather"`` as an override
    (equal-sized all-gather and reduce-scatter over the TP x EP group). The expert parameter
    layout does not depend on the dispatcher.
-6. Hybrid Mamba families (``HybridModelProvider``: Nemotron-H on megatron-bridge 0.6.2) build
-   megatron-core 0.19's ``HybridModel`` (`build_hybrid_model`, PP=1, dense layers: Mamba-2,
-   attention, MLP by the bridge's ``hybrid_layer_pattern``; MoE layers are not wired). Three CPU
-   adaptations: (a) megatron-core ships only Transformer-Engine hybrid specs
-   (megatron/core/models/hybrid/hybrid_layer_specs.py, fused ``TELayerNormColumnParallelLinear``),
-   so `hybrid_stack_spec` is a local one with separate norms (names the bridge maps:
-   ``norm``, ``input_layernorm``, ``pre_mlp_layernorm``); (b) ``HybridStack`` builds its final
-   norm as ``TENorm`` unconditionally (megatron/core/models/hybrid/hybrid_block.py line 215):
-   the module's ``TENorm`` name is `SPRMSNorm` while the model is constructed; (c) the Mamba
-   mixer needs ``mamba_ssm`` (CUDA/Triton kernels; megatron/core/ssm/mamba_mixer.py lines
-   68-79 and 202-205): without it `mamba_reference` (a labelled, test-only plain-PyTorch
-   stand-in for the scan and gated-norm kernels) is served on import. The MLP's squared ReLU,
-   ``position_embedding_type="none"`` and the Mamba sizes come from the bridge. megatron-bridge
-   0.3.1's Nemotron-H bridge names ``MambaModelProvider`` (megatron-core 0.16.1's
-   ``MambaModel``), which this builder refuses by name.
+6. Hybrid Mamba families (Nemotron-H) build megatron-core's hybrid model (`build_hybrid_model`,
+   PP=1, dense layers: Mamba-2, attention, MLP by the bridge's layer pattern; MoE layers are not
+   wired): ``HybridModel`` for megatron-bridge 0.6.2's ``HybridModelProvider`` (megatron-core
+   0.19.2), ``MambaModel`` for megatron-bridge 0.3.1's ``MambaModelProvider`` (megatron-core
+   0.16.1). Three CPU adaptations: (a) megatron-core ships only Transformer-Engine hybrid specs
+   (0.19.2: megatron/core/models/hybrid/hybrid_layer_specs.py, fused
+   ``TELayerNormColumnParallelLinear``), so `hybrid_stack_spec` is a local one with separate
+   norms (names the bridge maps: ``norm``, ``input_layernorm``, ``pre_mlp_layernorm``); (b) the
+   stack builds its final norm as ``TENorm`` unconditionally (0.19.2:
+   megatron/core/models/hybrid/hybrid_block.py line 215; 0.16.1: megatron/core/ssm/
+   mamba_block.py line 166): that module's ``TENorm`` name is `SPRMSNorm` while the model is
+   constructed; (c) the Mamba mixer needs ``mamba_ssm`` (CUDA/Triton kernels; 0.19.2
+   megatron/core/ssm/mamba_mixer.py lines 68-79 and 202-205): without it `mamba_reference` (a
+   labelled, test-only plain-PyTorch stand-in for the scan and gated-norm kernels) is served on
+   import. The MLP's squared ReLU, ``position_embedding_type="none"`` and the Mamba sizes come
+   from the bridge.
 """
 
 from __future__ import annotations
@@ -572,14 +573,15 @@ def build_hybrid_model(
     pg_collection: Any = None,
     **overrides: Any,
 ) -> Any:
-    """A megatron-core ``HybridModel`` (Mamba-2 / attention / MLP layers by the family's
-    ``hybrid_layer_pattern``) for a ``HybridModelProvider`` family (Nemotron-H), PP=1.
+    """megatron-core's hybrid model (Mamba-2 / attention / MLP layers by the family's layer
+    pattern) for a Nemotron-H style family, PP=1: ``HybridModel`` (``HybridModelProvider``,
+    megatron-core 0.19) or ``MambaModel`` (``MambaModelProvider``, megatron-core 0.16).
 
     CPU adaptations (limitation 6): the Mamba kernels are `mamba_reference`'s labelled
     plain-PyTorch stand-in when ``mamba_ssm`` is not installed; the local `hybrid_stack_spec`;
-    the stack's final norm, which megatron-core 0.19.2 hard-codes as ``TENorm``
-    (megatron/core/models/hybrid/hybrid_block.py line 215), is built as `SPRMSNorm` (the
-    module's ``TENorm`` name is rebound while the model is constructed)."""
+    the stack's final norm, which megatron-core hard-codes as ``TENorm``, is built as
+    `SPRMSNorm` (the stack module's ``TENorm`` name is rebound while the model is
+    constructed)."""
     from dcr_tools.trainers import mamba_reference
 
     mamba_reference.install()
