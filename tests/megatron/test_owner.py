@@ -158,6 +158,11 @@ LAYOUTS = [
     # different stages (~50-90 s each: MLA's 512-wide latent)
     _slow(("deepseek-v3-ep2", "deepseek-v3", 2, 2, ["--ep", "2"])),
     _slow(("deepseek-v3-pp2", "deepseek-v3", 2, 2, ["--pp", "2"])),
+    # Nemotron-H (4 layers, M*M-): sequence parallelism at TP=2 (the Mamba mixer's in_proj
+    # all-gathers the sequence, out_proj reduce-scatters it), and DP=2 with the distributed
+    # optimizer (A_log and D are fp32 parameters in the optimizer's shards)
+    ("nemotron-h-sp-tp2", "nemotron-h", 4, 2, ["--tp", "2", "--sp"]),
+    ("nemotron-h-dp2-distopt", "nemotron-h", 4, 2, ["--distributed-optimizer"]),
 ]
 
 
