@@ -10,6 +10,8 @@ in ``process_weights_after_loading``:
   (lm_head) it keeps the weight but computes logits from a stale packed copy.
 - ``CPUUnquantizedExperts.process_weights_after_loading`` pads and prepacks ``w13_weight`` /
   ``w2_weight`` into a kernel layout.
+- The same ``dispatch_cpu_unquantized_gemm`` prepacks causal-conv weights (Mamba layers) into a
+  kernel layout in place on AVX-512 BF16 CPUs (limitation 2).
 
 When DCR is enabled in a process this module replaces both with layout-preserving paths: linear
 layers compute with ``torch.nn.functional.linear`` on the resident weight, and routed experts with
@@ -19,8 +21,11 @@ than the packed kernels but bit-for-bit driven by the loaded weights.
 Limitations:
 1. Checked on vllm 0.32.x only (`check_version`); other versions raise CompatibilityError when
    the patch is requested, instead of patching blindly.
-2. Non-2-D weights other than MoE experts (e.g. causal-conv weights of Mamba layers) keep vLLM's
-   own handling; a layout change there is detected and refused by the receiver's prewarm.
+2. Causal-conv weights ``[dim, 1, width]`` (Mamba-2 / gated-delta-net ``conv1d``), which vLLM
+   0.32 prepacks on CPUs with AVX-512 BF16 or Arm BF16 (``layers/utils.py``
+   ``causal_conv1d_weight_pack``), stay as loaded: vLLM's own path for CPUs without those
+   (its conv ops then read the plain weight). Other non-2-D weights besides MoE experts keep
+   vLLM's own handling; a layout change there is detected and refused by the receiver's prewarm.
 3. Only the SiLU / GELU gated activations and GPT-OSS's clamped ``swigluoai`` (gate/up rows
    interleaved, alpha 1.702, limit 7.0: vLLM's ``SwigluOAIAndMul`` defaults, which its
    ``swigluoai_and_mul`` kernel uses for MoE) are implemented in the PyTorch MoE path.
@@ -46,7 +51,12 @@ logger = logging.getLogger(__name__)
 CHECKED_VLLM = ("0.32.",)
 ENV_FLAG = "VLLM_DCR_RESIDENT_WEIGHTS"
 
-_state: dict[str, Any] = {"installed": False, "enabled_by_extension": False, "patched_layers": 0}
+_state: dict[str, Any] = {
+    "installed": False,
+    "enabled_by_extension": False,
+    "patched_layers": 0,
+    "resident_conv": 0,
+}
 
 
 def check_version() -> str:
@@ -81,6 +91,7 @@ def status() -> dict[str, Any]:
         "installed": bool(_state["installed"]),
         "enabled": dcr_enabled(),
         "resident_linear_layers": int(_state["patched_layers"]),
+        "resident_conv_layers": int(_state["resident_conv"]),
     }
 
 
@@ -140,6 +151,12 @@ def _torch_moe_apply(
     output.copy_(acc.to(output.dtype))
 
 
+def _is_causal_conv_weight(weight: torch.Tensor) -> bool:
+    """A causal-conv (Mamba / gated-delta-net ``conv1d``) weight ``[dim, 1, width]``, the shape
+    vLLM 0.32 prepacks in ``dispatch_cpu_unquantized_gemm``."""
+    return not weight.is_meta and weight.ndim == 3 and weight.size(1) == 1
+
+
 def install() -> bool:
     """Install the conditional patches (idempotent, re-entrant). Returns True if installed now.
 
@@ -164,6 +181,12 @@ def install() -> bool:
             target: Any = layer
             target.cpu_linear = _resident_linear
             _state["patched_layers"] += 1
+            return
+        if dcr_enabled() and weight is not None and _is_causal_conv_weight(weight):
+            # no prepack: the weight stays as loaded, exactly as vLLM leaves it on CPUs without
+            # AVX-512 BF16 (its conv paths read the plain weight then, e.g. mamba_mixer2's
+            # ``conv_weights`` view and gdn_attention's ``_unpacked_conv_weight``)
+            _state["resident_conv"] += 1
             return
         original_dispatch(layer, remove_weight)
 
