@@ -20,7 +20,13 @@ and reporting how far a failure got: runs of items the placement plan holds go t
 Batches (`plan_batches`): consecutive direct-path items whose 64-byte-aligned sizes fit in the
 scratch buffer together; a masked-path item (a tensor prewarm found behind a transformed or cast
 copy) is always a batch of its own, because a transformed copy's source is a temporary that
-cannot be traced back to an item.
+cannot be traced back to an item. Every copy of a masked item goes through the masked path,
+the plain ones from scratch too: the first copy into a view sets that view's active mask, which
+later transformed copies into it reuse. A loader that post-processes the whole parameter in
+place after loading (vLLM's ``composed_weight_loader``: Nemotron-H's ``A`` is loaded from
+``A_log``, then ``param.data.copy_(-exp(param))``) so writes only the active positions twice,
+and positions the item does not change keep their bits (a direct first copy left no mask, and
+the transform was written everywhere: ``-exp`` applied twice where ``A_log`` had not changed).
 
 Scratch invariant: outside `apply_batch` the scratch buffer is all zero bits (the XOR
 placeholder). Direct-path items are not materialised in scratch: the loader sees an all-zero
@@ -145,7 +151,8 @@ class ApplyHandler:
                 slot.result.copies += 1
                 item = slot.item
                 if (
-                    src.dtype == dest.dtype
+                    not slot.masked  # a masked item's first copy sets the view's active mask
+                    and src.dtype == dest.dtype
                     and tuple(src.shape) == tuple(dest.shape)
                     and ViewGeom.of(src).nested()
                     and ViewGeom.of(dest).nested()
@@ -234,8 +241,32 @@ class ApplyHandler:
 
 
 def count_mismatches(checks: list[Check]) -> int:
-    """Re-read every element a verified apply wrote; the number that differ from expected."""
-    return sum(int((flat[idx] != expected).sum()) for flat, idx, expected in checks)
+    """Re-read every element a verified apply wrote; the number that differ from expected.
+
+    An element written more than once is held to its last write: a loader that post-processes
+    what it loaded in place (vLLM's ``composed_weight_loader``: Nemotron-H's ``A`` is loaded from
+    ``A_log``, then ``param.data.copy_(-exp(param))``) writes the raw value first and the
+    transformed one over it, and only the last one is meant to stay."""
+    by_storage: dict[tuple[int, torch.dtype, str], list[Check]] = {}
+    for c in checks:
+        flat = c[0]
+        by_storage.setdefault((flat.data_ptr(), flat.dtype, str(flat.device)), []).append(c)
+    bad = 0
+    for group in by_storage.values():
+        flat = group[0][0]
+        if len(group) == 1:
+            _, idx, expected = group[0]
+        else:  # keep each offset's last expected value (group order is write order)
+            idx = torch.cat([c[1].to(flat.device) for c in reversed(group)])
+            expected = torch.cat([c[2].to(flat.device) for c in reversed(group)])
+            uniq, inverse = torch.unique(idx, return_inverse=True)
+            first = torch.full((uniq.numel(),), idx.numel(), dtype=torch.long, device=idx.device)
+            first.scatter_reduce_(
+                0, inverse, torch.arange(idx.numel(), device=idx.device), reduce="amin"
+            )
+            idx, expected = uniq, expected[first]
+        bad += int((flat[idx] != expected).sum())
+    return bad
 
 
 def scatter_direct(

@@ -566,3 +566,67 @@ def test_rpc_answers_malformed_keys_and_payloads_with_ok_false(monkeypatch) -> N
         assert reply["ok"] is False and reply["error"].startswith("ProtocolError"), reply
     reply = w.dcr_stage([b"DCRP" + bytes(100)])
     assert reply["ok"] is True and reply["rejected"] and "payload" in reply["rejected"][0]["reason"]
+
+
+def test_post_apply_check_holds_each_element_to_its_last_write() -> None:
+    """Pure unit test of `apply.count_mismatches`: a loader that post-processes in place
+    (vLLM's ``composed_weight_loader``: raw ``A_log`` copied into ``A``, then ``-exp`` over it)
+    writes an element twice; only the last write is expected to stay. Disjoint writes into one
+    storage (two items of one tensor) are all checked, and a real mismatch still counts."""
+    from vllm_dcr_plugin.apply import count_mismatches
+
+    storage = torch.zeros(8, dtype=torch.int16)
+    flat = storage.view(-1)
+    first = (flat, torch.tensor([1, 2, 3]), torch.tensor([10, 20, 30], dtype=torch.int16))
+    storage[torch.tensor([1, 2, 3])] = torch.tensor([10, 20, 30], dtype=torch.int16)
+    second = (flat, torch.tensor([2, 3]), torch.tensor([-20, -30], dtype=torch.int16))
+    storage[torch.tensor([2, 3])] = torch.tensor([-20, -30], dtype=torch.int16)
+    other = (flat, torch.tensor([6]), torch.tensor([60], dtype=torch.int16))
+    storage[6] = 60
+    assert count_mismatches([first, second, other]) == 0
+    assert count_mismatches([first]) == 2  # alone, the overwritten values no longer hold
+    storage[1] = 11  # a real corruption
+    assert count_mismatches([first, second, other]) == 1
+
+
+class ComposedLoaderModel(torch.nn.Module):
+    """FAKE: a loader that post-processes the whole parameter in place after loading it, as
+    vLLM's ``composed_weight_loader`` does for Nemotron-H's ``A = -exp(A_log)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(6, dtype=torch.float32), requires_grad=False)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name == "a_log":
+                self.a.copy_(w)  # the sharded loader's plain copy
+                self.a.data.copy_(-torch.exp(self.a.float()))  # then the transform, in place
+                loaded.add("a")
+        return loaded
+
+
+def test_partial_overwrite_through_an_in_place_post_processing_loader() -> None:
+    """Only some elements of ``a_log`` change: the loader's first (plain) copy sets the active
+    positions, its in-place transform is written there only, and the unchanged positions keep
+    their bits: the result equals a dense load of v1 (before, the transform was written over
+    every position, applying ``-exp`` twice where ``a_log`` had not changed)."""
+    g = torch.Generator().manual_seed(3)
+    v0 = {"a_log": torch.randn(6, generator=g)}
+    v1 = {"a_log": v0["a_log"].clone()}
+    v1["a_log"][[0, 3]] += 0.5
+    model = ComposedLoaderModel()
+    model.load_weights(v0.items())
+    rx = Receiver(model, rank={"rank": 0})
+    report = rx.prewarm([["a_log", "float32", [6]]], committed_version=0)
+    assert set(report["overwrite_only"]) == {"a_log"}, report
+    item = diff_tensors("a_log", v0["a_log"], v1["a_log"], owner=0, kind=Kind.OVERWRITE)
+    assert item.indices.tolist() == [0, 3]  # a partial overwrite
+    meta = PayloadMeta(version=1, base_version=0, attempt=0, owner=0, sequence=0)
+    assert rx.stage(encode_items([item], meta))["staged"]
+    ack = rx.apply(0, verify=True)
+    assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+    expected = ComposedLoaderModel()
+    expected.load_weights(v1.items())
+    assert torch.equal(model.a.view(torch.int32), expected.a.view(torch.int32))
