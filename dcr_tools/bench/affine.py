@@ -1,6 +1,6 @@
 """``dcr bench affine``: the affine share of canonical weight bytes per verified family.
 
-Runs as a 2-rank gloo job (torchrun, TP=2). For each verified family (the fixture kinds) it
+Runs as a 2-rank gloo job (torchrun, TP=2; GPT-OSS with expert TP 1, `LAYOUTS`). For each verified family (the fixture kinds) it
 builds the tiny model from the bridge's provider settings, classifies every conversion task by
 probing the bridge (``tasks.build_tasks``: affine = a pure placement of source elements), once as
 DCR runs (every mapping that is affine is projected) and once with ``QKVMapping`` forced residual
@@ -62,6 +62,23 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
          "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
          "head_dim": 256},
     ),
+    # DeepSeek-V2-Lite's dimensions (15.7B; no query LoRA, like the fixture: DeepSeek-V3's own
+    # q_lora_rank 1536 adds tensors the fixture does not have) in the V3 layout the fixture has
+    # (plus the router's score-correction bias per MoE layer)
+    "deepseek-v3": (
+        "DeepSeek-V2-Lite dims",
+        {"vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+         "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+         "num_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+         "extra": {"n_shared_experts": 2, "qk_nope_head_dim": 128, "v_head_dim": 128}},
+    ),
+    # gpt-oss-20b's config.json: 24 layers, 32 experts (top-4), 64 query / 8 KV heads of 64
+    "gpt-oss": (
+        "gpt-oss-20b",
+        {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+         "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+         "head_dim": 64, "num_experts": 32, "num_experts_per_tok": 4},
+    ),
     # Nemotron-H-8B-Base-8K's config.json: 52 layers (24 Mamba-2, 4 attention, 24 MLP)
     "nemotron-h": (
         "Nemotron-H-8B",
@@ -74,6 +91,11 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 SETTINGS = {"dcr": (), "qkv_residual": ("QKVMapping",)}
+
+#: per family, `ParallelLayout` fields other than TP=2: megatron-core allows GPT-OSS's biased
+#: experts only at expert TP 1 (``transformer_config.py``: "Bias in Moe is only supported when
+#: ETP==1")
+LAYOUTS: dict[str, dict[str, Any]] = {"gpt-oss": {"expert_tp": 1}}
 
 
 def fold(name: str) -> str:
@@ -122,17 +144,23 @@ def main() -> int:
 
     cpu_compat.enable()
     dist.init_process_group("gloo")
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from dcr_tools.fixtures import hf_config, spec_for
     from dcr_tools.trainers.model import ParallelLayout, build_gpt_chunks
     from megatron_dcr_hooks.bridge_registry import architecture_of
 
-    layout = ParallelLayout(tp=2)
-    layout.initialize()
-    model_parallel_cuda_manual_seed(1234)
+    layout: ParallelLayout | None = None
     rows = []
     for kind in PUBLISHED:
+        want = ParallelLayout(tp=2, **LAYOUTS.get(kind, {}))
+        if want != layout:
+            if layout is not None:
+                parallel_state.destroy_model_parallel()
+            layout = want
+            layout.initialize()
+            model_parallel_cuda_manual_seed(1234)
         cfg = hf_config(spec_for(kind))
         arch = architecture_of(cfg)
         (model,) = build_gpt_chunks(cfg, layout)
