@@ -259,6 +259,9 @@ class DCRHook:
         self._built: tuple[int, dict[int, bytes]] | None = None
         self._open = False  # a build since the last commit or abort
         self._rebuilt = False  # the open version was built again (engines may hold either)
+        self.guard_scans = 0  # candidate guards that scanned the shards
+        self.guard_held = 0  # guards answered without a scan (`verify_candidate` scan=False)
+        self.step_thread: int | None = None  # the thread of the last optimizer step seen
         self.last_report: BuildReport | None = None
         self._init_residual_baseline()
         warm_up()  # compile the detection scan now, not inside the first optimizer step
@@ -504,10 +507,15 @@ class DCRHook:
             return not change[0].size
         return np.array_equal(change[0], built[0]) and np.array_equal(change[1], built[1])
 
-    def verify_candidate(self, version: int) -> None:
+    def verify_candidate(self, version: int, *, scan: bool = True) -> None:
         """Raise `CandidateChanged` if this rank's owned parameters no longer hold what the build
         of `version` built from (one detection scan of the owned shards; changes nothing).
-        With ``candidate_guard=False`` it checks nothing."""
+        With ``candidate_guard=False`` it checks nothing.
+
+        ``scan=False``: the caller held the training thread from the build until now (the
+        owner service, `OwnerService.serve`): only the protocol checks run (a build of
+        `version` to verify; no second build of it, e.g. a wrapped optimizer step), not the
+        shard scan. Counted in `guard_scans` / `guard_held`."""
         if not self.config.candidate_guard:
             return
         if self._rebuilt and self._built is not None and self._built[0] == version:
@@ -522,6 +530,10 @@ class DCRHook:
             raise ProtocolError(
                 f"rank {self.rank}: no build of version {version} to verify (last build: {built})"
             )
+        if not scan:
+            self.guard_held += 1
+            return
+        self.guard_scans += 1
         moved = [
             t.name
             for t in self.owned
@@ -570,6 +582,7 @@ class DCRHook:
 
     def after_step(self) -> BuildReport | None:
         """Called after each optimizer step: builds the next version's delta (attempt 0)."""
+        self.step_thread = threading.get_ident()
         return self.build(self.committed_version + 1, 0)
 
 

@@ -14,9 +14,21 @@ Built-in ops:
   relay-tree completion). Reply: ``baseline_id``, summed payload bytes and count, element
   change rate, slowest build seconds.
 - ``verify`` {version}: the candidate guard (`DCRHook.verify_candidate` on every rank); a moved
-  shard anywhere fails it with ``error_type`` ``CandidateChanged``.
+  shard anywhere fails it with ``error_type`` ``CandidateChanged``. Reply ``guard``:
+  ``"scanned"``, ``"held"`` or ``"off"`` (``candidate_guard=False``). Held: the version was
+  built in this same `serve` call and only ``verify``/``status`` ran since, on the thread of
+  the hook's optimizer steps (or none seen yet). `serve` runs on the training thread and holds
+  it, so the weights cannot have moved: the shard scan (as long as a build's detection) is
+  skipped; the protocol checks still run (a second build of the version, e.g. a wrapped
+  optimizer step, is still refused). After a user op, between two serves, or through a direct
+  `handle` call the guard scans.
 - ``commit`` {version}: owners advance their baselines to the built candidate (idempotent for
   the committed version; no second guard scan: ``verify`` ran before the compare-and-set).
+  Under `serve` the reply goes out once the request is checked, and the trackers advance
+  (an O(changed) scatter) right after it, before the next request is read: the record is
+  already durable, so the coordinator need not wait for the scatter, and every later request
+  (a build, a user op, ``status``) sees the advanced baseline. Should that scatter fail, every
+  later request fails naming it (the job must restart from its checkpoint).
 - ``abort`` {version, attempt}: keep the committed baseline.
 - ``status``; ``stop`` (reply, then `serve` returns; rank 0's socket stays bound, so requests
   sent while the job trains are answered by the next `serve`; `close` unbinds it).
@@ -31,6 +43,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -98,6 +111,14 @@ class OwnerService:
         self.rank = hook.groups.world.rank
         self.world = hook.groups.world.size
         self._sock: Any = None
+        # candidate guard held by the service (module docstring, ``verify``): (serve call,
+        # version) of a build in the current serve with only verify / status since
+        self._serves = 0
+        self._serving = False
+        self._held: tuple[int, int] | None = None
+        # work a request leaves for after its reply (``commit``), and how it failed
+        self._after_reply: Callable[[], None] | None = None
+        self._broken = ""
 
     # -- ops (every rank) ----------------------------------------------------------------------
     def _build(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -143,6 +164,8 @@ class OwnerService:
         if errors or seal_error:
             raise OwnerBuildError("; ".join(errors) or seal_error)
         assert rep is not None
+        if self._serving and self.hook.step_thread in (None, threading.get_ident()):
+            self._held = (self._serves, version)
         return {
             "baseline_id": f"owners-v{base}",
             "version": version,
@@ -164,6 +187,9 @@ class OwnerService:
                 )
             # verified before the compare-and-set (``verify``); the record is durable now, so
             # the owners advance to the candidate the engines hold without a second scan
+            if self._serving:  # after the reply, before the next request (module docstring)
+                self._after_reply = lambda: self.hook.commit(verify=False)
+                return {"committed_version": version}
             self.hook.commit(verify=False)
         return {"committed_version": self.hook.committed_version}
 
@@ -172,15 +198,19 @@ class OwnerService:
         shards (hook.verify_candidate); any moved shard fails the op with `CandidateChanged`
         on every rank, naming them all."""
         version = int(req["version"])
+        held = self._serving and self._held == (self._serves, version)
+        scans = self.hook.guard_scans
         error = ""
         try:
-            self.hook.verify_candidate(version)
+            self.hook.verify_candidate(version, scan=not held)
         except CandidateChanged as e:
             error = str(e)
         errors = [e for e in _gather_json(error, self.groups.world) if e]
         if errors:
             raise CandidateChanged("; ".join(errors))
-        return {"version": version}
+        guard = "off" if not self.hook.config.candidate_guard else "held" if held else "scanned"
+        assert guard != "scanned" or self.hook.guard_scans == scans + 1
+        return {"version": version, "guard": guard}
 
     def _abort(self, req: dict[str, Any]) -> dict[str, Any]:
         self.hook.abort()
@@ -205,8 +235,13 @@ class OwnerService:
         }
         op = req.get("op")
         fn = ops.get(str(op))
+        if op not in ("verify", "status"):  # anything else may move the weights: no hold
+            self._held = None
         t0 = time.perf_counter()
+        self._after_reply = None
         try:
+            if self._broken:
+                raise OwnerBuildError(self._broken)
             if fn is None:
                 raise ValueError(f"unknown op {op!r}; known: {sorted(ops)} and 'stop'")
             out: dict[str, Any] = {"ok": True, **fn(req)}
@@ -221,8 +256,24 @@ class OwnerService:
         dist.all_reduce(flag, group=self.groups.world.group)  # an error on any rank fails it
         if out["ok"] and int(flag[0]):
             out = {"ok": False, "error": f"{op} failed on {int(flag[0])} other rank(s)"}
+            self._after_reply = None
         out["seconds"] = time.perf_counter() - t0
         return out
+
+    def _finish(self) -> None:
+        """Run what the last request left for after its reply (this rank only, no
+        collectives); a failure breaks the service: every later request fails naming it."""
+        work, self._after_reply = self._after_reply, None
+        if work is None:
+            return
+        try:
+            work()
+        except Exception as e:
+            traceback.print_exc()
+            self._broken = (
+                f"rank {self.rank}: the owners' commit failed after its reply ({type(e).__name__}: "
+                f"{e}); this job's DCR baseline is unusable: restart it from its checkpoint"
+            )
 
     def _socket(self) -> Any:
         """Rank 0's REP socket, bound on the first `serve` and kept until `close`: a request
@@ -246,8 +297,13 @@ class OwnerService:
 
     def serve(self) -> None:
         """Answer requests until ``stop`` (every rank calls; rank 0 owns the socket, which
-        stays bound after ``stop``: `_socket`). An exception closes the socket."""
+        stays bound after ``stop``: `_socket`). An exception closes the socket.
+
+        Call it on the training thread, with training paused until it returns (its requests
+        run collectives on the job's groups): the candidate guard relies on it (``verify``)."""
         sock = self._socket() if self.rank == 0 else None
+        self._serves += 1  # the job ran (trained) since any earlier serve: nothing is held
+        self._held, self._serving = None, True
         try:
             while True:
                 req: Any = None
@@ -269,6 +325,10 @@ class OwnerService:
                 out = self.handle(req)
                 if sock is not None:
                     sock.send(json.dumps(out).encode())
+                self._finish()
         except BaseException:
             self.close()
             raise
+        finally:
+            self._finish()  # (an exception between a reply and its work)
+            self._held, self._serving = None, False

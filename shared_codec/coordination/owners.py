@@ -63,8 +63,8 @@ class RemoteOwners:
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
         return self.call("build", version=version, attempt=attempt, retry=retry)
 
-    def verify(self, version: int) -> None:
-        self.call("verify", version=version)
+    def verify(self, version: int) -> dict[str, Any]:
+        return self.call("verify", version=version)
 
     def commit(self, version: int) -> None:
         self.call("commit", version=version)

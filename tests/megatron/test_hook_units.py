@@ -27,7 +27,7 @@ from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
 from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
 from megatron_dcr_hooks.tasks import TaskKind, classify_tasks
 from shared_codec.checkpoint import bits_equal
-from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
+from shared_codec.errors import CandidateChanged, DCRError, OwnerBuildError, ProtocolError
 from shared_codec.format import decode_payload
 from shared_codec.records import Kind, apply_items
 
@@ -564,3 +564,102 @@ def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None
     model.perturb(6)
     assert dcr.after_optimizer_step(skipped=False) is not None  # the plain hook: same object
     assert dcr.built == [1, 2] and dcr.steps == 2 and sent
+
+
+def test_owner_service_holds_the_guard_only_while_it_holds_the_training_thread(
+    groups: ParallelGroups, tmp_path: Path
+) -> None:
+    """Real ZeroMQ sockets on loopback, the real `OwnerService` over the FAKE model's hook. A
+    verify right after the build in the same serve call skips the shard scan (``guard`` held);
+    after a user op (here one that moves a weight), or in a later serve (the job trained in
+    between), it scans and refuses the moved candidate; a wrapped optimizer step's second
+    build of the version is refused before any scan; optimizer steps seen on another thread
+    than the serve's disable the hold. A commit is answered before the trackers advance (the
+    next request sees them advanced); when that advance fails, every later request fails
+    naming it and nothing else changes."""
+    import socket
+    import threading
+
+    from megatron_dcr_hooks.service import OwnerService
+    from shared_codec.coordination.owners import RemoteOwners
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    model = FakeModel()
+    hook = DCRHook([model], _config(), groups=groups)
+
+    def nudge(req: dict[str, Any]) -> dict[str, Any]:
+        with torch.no_grad():
+            model.col.view(-1)[int(req.get("at", 0))] += 1.0
+        return {}
+
+    def step(req: dict[str, Any]) -> dict[str, Any]:  # a wrapped optimizer step inside serve
+        model.perturb(int(req["seed"]))
+        hook.after_step()
+        return {}
+
+    svc = OwnerService(
+        hook,
+        {"kind": "dir", "root": str(tmp_path / "payloads")},
+        endpoint,
+        handlers={"nudge": nudge, "step": step},
+    )
+    client = RemoteOwners(endpoint, timeout_s=30)
+
+    def serving() -> threading.Thread:
+        t = threading.Thread(target=svc.serve)
+        t.start()
+        return t
+
+    server = serving()
+    model.perturb(5)
+    assert client.build(1, 0, False)["payloads"] > 0
+    assert client.call("status")["candidate"] == 1
+    assert client.verify(1)["guard"] == "held" and hook.guard_scans == 0
+    assert client.verify(1)["guard"] == "held" and hook.guard_held == 2
+    client.call("nudge", at=3)  # a user op between build and verify: the guard scans
+    with pytest.raises(CandidateChanged, match="col"):
+        client.verify(1)
+    assert hook.guard_scans == 1
+    client.build(1, 1, True)  # rebuilt from the moved weights: held again
+    assert client.verify(1)["guard"] == "held"
+    client.commit(1)  # answered before the trackers advance; the next request after they did
+    assert client.call("status")["committed_version"] == 1 == hook.committed_version
+
+    model.perturb(6)
+    client.build(2, 0, False)
+    client.stop()
+    server.join(timeout=30)
+    with torch.no_grad():  # the job trains between two serves
+        model.col.view(-1)[5] += 1.0
+    server = serving()
+    with pytest.raises(CandidateChanged, match="col"):
+        client.verify(2)
+    assert hook.guard_scans == 2
+    client.build(2, 1, True)
+    assert client.verify(2)["guard"] == "held"
+    client.call("step", seed=7)  # builds version 2 again: refused without a scan
+    with pytest.raises(CandidateChanged, match="built again"):
+        client.verify(2)
+    assert hook.guard_scans == 2
+    hook.step_thread = -1  # steps seen on another thread: serve cannot hold the guard
+    client.build(2, 2, True)
+    assert client.verify(2)["guard"] == "scanned" and hook.guard_scans == 3
+    baseline = {i: t.clone() for i, t in hook.trackers.items()}
+
+    def broken_commit(*, verify: bool = True) -> None:
+        raise RuntimeError("host memory gone")
+
+    hook.commit = broken_commit  # type: ignore[method-assign]
+    client.commit(2)  # the record is durable: the reply comes first
+    with pytest.raises(DCRError, match="commit failed after its reply.*host memory gone"):
+        client.call("status")
+    with pytest.raises(DCRError, match="restart it from its checkpoint"):
+        client.build(3, 0, False)
+    assert all(torch.equal(baseline[i], t) for i, t in hook.trackers.items())
+    client.stop()
+    server.join(timeout=30)
+    assert not server.is_alive()
+    svc.close()
+    client.close()
