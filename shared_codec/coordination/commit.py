@@ -62,13 +62,27 @@ class CommitLog:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        self._newest: CommitRecord | None = None  # the newest record this log has seen
 
     def current(self) -> CommitRecord | None:
-        """The latest committed record (None before the first commit)."""
-        keys = [k for k in self.store.list(PREFIX) if k.endswith(".json")]
-        if not keys:
-            return None
-        return CommitRecord.from_json(self.store.get(max(keys)))
+        """The latest committed record (None before the first commit).
+
+        The first call lists the records; later calls read forward from the newest record
+        seen (versions are dense and records are never deleted, so the next one, if any, is
+        version + 1: written by this log or another coordinator): O(new records), not
+        O(history), which a run of weeks would make tens of thousands of keys (a listing page
+        per 1,000 on S3)."""
+        newest = self._newest
+        if newest is None:
+            keys = [k for k in self.store.list(PREFIX) if k.endswith(".json")]
+            if not keys:
+                return None
+            newest = CommitRecord.from_json(self.store.get(max(keys)))
+        while (later := self.get(newest.version + 1)) is not None:
+            newest = later
+        if self._newest is None or newest.version > self._newest.version:
+            self._newest = newest  # (threads sharing this log only ever move it forward)
+        return newest
 
     def get(self, version: int) -> CommitRecord | None:
         try:

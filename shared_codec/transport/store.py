@@ -87,11 +87,16 @@ class DirectoryStore:
         return self._path(key).is_file()
 
     def list(self, prefix: str) -> list[str]:
-        base = self.root
+        """Keys starting with `prefix`, sorted; walks only the prefix's directory (a poll of
+        one attempt's prefix does not walk every version the store holds)."""
+        head = prefix.rpartition("/")[0]
+        base = self._path(head) if head else self.root
+        if not base.is_dir():
+            return []
         out = []
         for p in base.rglob("*"):
             if p.is_file() and not p.name.startswith(".tmp-"):
-                key = p.relative_to(base).as_posix()
+                key = p.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     out.append(key)
         return sorted(out)

@@ -65,3 +65,31 @@ def test_compare_and_set_and_races(kind, tmp_path, moto_endpoint) -> None:
         fresh.commit(0, _rec(1, conflicts[0]))
     assert fresh.commit(1, _rec(2, 3)).version == 2
     assert fresh.current().version == 2 and fresh.get(1).attempt == wins[0].attempt
+
+
+def test_current_reads_forward_from_the_newest_record_seen(tmp_path: Path) -> None:
+    """`current()` lists the records once, then reads forward (O(new records), not O(history)):
+    it still sees every record another coordinator commits, on the real directory store."""
+    lists: list[str] = []
+
+    class Counting(DirectoryStore):  # the real store, counting its listings
+        def list(self, prefix: str) -> list[str]:
+            lists.append(prefix)
+            return super().list(prefix)
+
+    writer = CommitLog(DirectoryStore(tmp_path / "control"))
+    writer.commit(None, _rec(0, 0))
+    for v in range(1, 40):
+        writer.commit(v - 1, _rec(v, 0))
+    reader = CommitLog(Counting(tmp_path / "control"))
+    assert reader.current().version == 39 and len(lists) == 1
+    writer.commit(39, _rec(40, 2))  # another coordinator commits twice
+    writer.commit(40, _rec(41, 0))
+    cur = reader.current()
+    assert cur is not None and (cur.version, cur.attempt) == (41, 0)
+    assert reader.get(40).attempt == 2 and reader.current().version == 41
+    assert len(lists) == 1  # no listing after the first call
+    with pytest.raises(CommitConflict, match="expected committed version 40, found 41"):
+        reader.commit(40, _rec(41, 5))
+    assert reader.commit(41, _rec(42, 1)).version == 42 and writer.current().version == 42
+    assert len(lists) == 1
