@@ -301,6 +301,7 @@ class Demo:
             if killed:
                 faults.arm(self.fault_plan, kill_after_items=2)
             res = self.coord.refit()
+            self.coord.wait_retention()  # (background after the commit; the report counts it)
             last = res.attempts[-1]
             row.update(
                 {

@@ -213,6 +213,7 @@ class Soak(Demo):
         t1 = time.perf_counter()
         res = self.coord.refit()
         t2 = time.perf_counter()
+        self.coord.wait_retention()  # the disk sampled after each refit is after retention
         v = res.version
         self.owners.call("export", path=self.ckpt(v))
         self.reference.rpc("dcr_dense_load", self.ckpt(v), v)

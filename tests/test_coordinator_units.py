@@ -531,6 +531,8 @@ def test_retention_removes_what_older_versions_left_and_keeps_the_commit_history
         s.coord.refit()
     s.engines[0].script[0] = "nack"  # version 5 needs a retry: both attempts are kept
     assert s.coord.refit().record.attempt == 1
+    assert s.coord.wait_retention(timeout_s=30)  # the last commit's pass runs in the background
+    assert s.coord.last_retention["committed"] == 5
 
     def versions(store: DirectoryStore, prefix: str) -> set[int]:
         found = (re.search(r"(?:^|/)v(\d{12})/", k) for k in store.list(prefix))

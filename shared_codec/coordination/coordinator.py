@@ -28,9 +28,12 @@ out to every trainer rank / every engine rank behind them):
    per-engine digests). Then engines and owners are told to commit (owners advance their
    baselines in place to the built candidate, which is what the engines hold: a trainer step
    after the guard is not lost, the next version ships it).
-5. Retention (`retain`): payloads (object-store objects, or relay spools and delivered sets
-   through the tree's ``Forget``), attempt records and engine reports of versions older than
-   the newest ``keep_versions`` committed ones are removed; commit records stay.
+5. Retention (`retain`, on a background thread once the commit notifications are out, so
+   deleting objects is never part of a refit's latency; the next `refit`, `resume` or
+   `initialize` waits for it first, and `wait_retention` does on demand): payloads
+   (object-store objects, or relay spools and delivered sets through the tree's ``Forget``),
+   attempt records and engine reports of versions older than the newest ``keep_versions``
+   committed ones are removed; commit records stay.
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
@@ -61,6 +64,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -85,9 +89,11 @@ class Owners(Protocol):
         Returns at least ``baseline_id`` plus whatever the owners report (bytes, times)."""
         ...
 
-    def verify(self, version: int) -> None:
+    def verify(self, version: int) -> Mapping[str, Any] | None:
         """The candidate guard: raise `CandidateChanged` if the trainer's weights moved since
-        `version` was built (called before the compare-and-set)."""
+        `version` was built (called before the compare-and-set). May return what the owners
+        report (the owner service: ``guard``, "scanned" or "held"; kept in the attempt's
+        ``owners`` reply as ``guard``)."""
         ...
 
     def commit(self, version: int) -> None: ...
@@ -198,6 +204,34 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         self.log = log or _log.info
         self.transport = None if transport is None else parse_spec(transport, SINK_KINDS)
+        self._retention: threading.Thread | None = None
+        #: the last retention pass: committed version, seconds, what it removed
+        self.last_retention: dict[str, Any] = {}
+
+    def wait_retention(self, timeout_s: float | None = None) -> bool:
+        """Wait for the retention pass the last commit started (module docstring, step 5);
+        True once none is running."""
+        t = self._retention
+        if t is not None:
+            t.join(timeout_s)
+            if t.is_alive():
+                return False
+            self._retention = None
+        return True
+
+    def _retain_in_background(self, committed: int) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            removed = self.retain(committed)  # never raises: errors are logged
+            self.last_retention = {
+                "committed": committed,
+                "seconds": time.perf_counter() - t0,
+                "removed": removed,
+            }
+
+        self.wait_retention()
+        self._retention = threading.Thread(target=run, name="dcr-retention", daemon=True)
+        self._retention.start()
 
     def abandon(self, version: int, attempt: int, reason: str) -> None:
         """Tell every source of (`version`, `attempt`) that it was given up (needs `transport`)."""
@@ -216,6 +250,7 @@ class Coordinator:
     def initialize(self, baseline_id: str = "v0") -> CommitRecord:
         """Commit version 0 (the weights every participant starts from, e.g. dense-loaded from
         the initial checkpoint) unless a record exists; returns the current record."""
+        self.wait_retention()
         cur = self.commits.current()
         if cur is not None:
             return cur
@@ -242,6 +277,7 @@ class Coordinator:
     def resume(self) -> int:
         """A (new) coordinator's first call: finish a commit the record holds but participants
         may not have seen; returns the committed version."""
+        self.wait_retention()
         cur = self.commits.current()
         if cur is None:
             raise DCRError(_NO_RECORD)
@@ -266,22 +302,26 @@ class Coordinator:
 
     # -- one transition ----------------------------------------------------------------------
     def refit(self, version: int | None = None) -> RefitResult:
-        """Run the transition to `version` (default: committed + 1) to its joint commit."""
+        """Run the transition to `version` (default: committed + 1) to its joint commit.
+        Returns once the record is durable and every participant was told; the retention it
+        then starts runs on in the background (module docstring, step 5)."""
+        self.wait_retention()
+        t_start = time.perf_counter()
         committed = self.committed_version()
         version = committed + 1 if version is None else version
         attempts: list[AttemptResult] = []
         self._fence_earlier(version)
         for _ in range(self.config.max_attempts):
             attempt, retry = self.prepare(version)
+            prepared = time.perf_counter() - t_start
             res = self._attempt(version, attempt, retry)
+            res.seconds["prepare"] = prepared  # records read, earlier attempts fenced, reserved
             attempts.append(res)
             if res.ok:
                 t0 = time.perf_counter()
                 record = self._commit(version, committed, res)
                 res.seconds["commit"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                self.retain(version)
-                res.seconds["retain"] = time.perf_counter() - t0
+                self._retain_in_background(version)
                 return RefitResult(version=version, record=record, attempts=attempts)
             if res.candidate_changed:  # retries cannot help: every engine back to committed
                 res.unreachable.update(r.name for r in self.engines)
@@ -291,6 +331,7 @@ class Coordinator:
                     f"committed, every engine restored to committed version {committed}"
                 )
             self._fence(version, res)
+            t_start = time.perf_counter()
         raise RefitFailed(
             f"refit to version {version} failed after {len(attempts)} attempts: "
             + "; ".join(f"attempt {a.attempt}: {a.failed}" for a in attempts)
@@ -374,7 +415,9 @@ class Coordinator:
     def _verify(self, version: int, res: AttemptResult) -> None:
         """The owners' candidate guard (the build returned; engines may still be applying)."""
         try:
-            self.owners.verify(version)
+            reply = self.owners.verify(version)
+            if reply and "guard" in reply:
+                res.owners["guard"] = reply["guard"]
         except Exception as e:
             res.failed["owners"] = f"verify: {type(e).__name__}: {e}"
             res.candidate_changed = isinstance(e, CandidateChanged)
@@ -407,14 +450,23 @@ class Coordinator:
             receivers=tuple(r.name for r in self.engines),
             digests=digests,
         )
+        t0 = time.perf_counter()
         record = self.commits.commit(committed, record)  # CommitConflict: tell nobody to commit
+        res.seconds["cas"] = time.perf_counter() - t0
+
         # the record is durable: tell every participant at once (a failure here is finished by
         # `resume`, where repeated commits are no-ops)
+        def timed(fn: Callable[[int], Any]) -> float:
+            t = time.perf_counter()
+            fn(version)
+            return time.perf_counter() - t
+
         with ThreadPoolExecutor(max_workers=len(self.engines) + 1) as pool:
-            futures = [pool.submit(r.commit, version) for r in self.engines]
-            futures.append(pool.submit(self.owners.commit, version))
-            for f in futures:
-                f.result()
+            futures = [pool.submit(timed, r.commit) for r in self.engines]
+            owners = pool.submit(timed, self.owners.commit)
+            engines = [f.result() for f in futures]
+            res.seconds["commit_owners"] = owners.result()
+        res.seconds["commit_engines"] = max(engines, default=0.0)
         self.log(f"version {version} committed (attempt {res.attempt})")
         return record
 

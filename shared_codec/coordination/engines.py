@@ -166,6 +166,7 @@ class HttpEngine:
         `EngineUnreachable`."""
         t0 = time.perf_counter()
         opts = {"verify": self.verify} if self.pipelined else None
+        answered = False  # the engine answered the apply: no health probe before the reset
         try:
             try:
                 fetched = self.rpc(
@@ -193,8 +194,9 @@ class HttpEngine:
                     self.last = {"ok": False, "error": f"seal unreadable: {e}", "ranks": []}
                     return self.last
                 acks = self._call("dcr_apply", [attempt, self.verify, expect], timeout_s)
+            answered = True
         finally:
-            if self.healthy():
+            if answered or self.healthy():
                 self.reset_prefix_cache()  # also after a failed apply: weights may be partial
         errors = [f"rank {a.get('rank')}: {a.get('error')}" for a in acks if not a.get("ok")]
         merged: dict[str, Any] = {
