@@ -108,6 +108,11 @@ FIGURES = (
     "verify_s",
     "commit_s",
     "other_s",
+    "prepare_s",
+    "cas_s",
+    "retain_s",
+    "commit_owners_s",
+    "commit_engines_s",
     "fleet_critical_s",
     "transport_share",
     "v_payload_bytes",
@@ -487,6 +492,7 @@ def _one(
     t0 = time.perf_counter()
     res = coord.refit()
     total = time.perf_counter() - t0
+    coord.wait_retention()  # (off the refit's critical path: reported, not counted)
     acked = [r.at - t0 for r in receivers]
     last = res.attempts[-1]
     acks = list(last.acks.values())
@@ -535,6 +541,12 @@ def _one(
         "verify_s": verify,
         "commit_s": commit,
         "other_s": max(0.0, total - build - after_build - commit),
+        "prepare_s": last.seconds.get("prepare", 0.0),
+        "cas_s": last.seconds.get("cas", 0.0),
+        "retain_s": coord.last_retention.get("seconds", 0.0),
+        "commit_owners_s": last.seconds.get("commit_owners", 0.0),
+        "commit_engines_s": last.seconds.get("commit_engines", 0.0),
+        "guard": last.owners.get("guard", ""),
         "engine_ack_s": acked,
         "fleet_critical_s": fleet_critical(acked),
         "transport_share": transport / total,
