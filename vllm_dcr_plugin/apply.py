@@ -281,7 +281,27 @@ def scatter_direct(
     view `src` (offsets relative to the item) are mapped to offsets of the destination view
     `dest` over `flat` (the destination storage as integer words) and XORed in (XOR items) or
     stored (OVERWRITE items). With `verify`, the expected bits go to `checks`. Returns the
-    elements written. Shared by the loader path (ApplyHandler) and plan replay (placement.py)."""
+    elements written. Shared by the loader path (ApplyHandler) and plan replay (placement.py).
+
+    Dense source and destination blocks on the host without `verify` (the common case: a
+    whole canonical tensor, or a row block of it, into a block of a parameter) scatter the
+    item's index and value slices as they are into the storage shifted by the blocks' offset:
+    no mask, no offset array, no value copy."""
+    if flat.device.type == "cpu" and not verify and src.contiguous() and dest.contiguous():
+        k = item.indices
+        lo, hi = (int(x) for x in np.searchsorted(k, [src.offset, src.offset + src.numel]))
+        if hi <= lo:
+            return 0
+        shift = dest.offset - src.offset  # destination offset = source offset + shift
+        arr = flat.numpy()
+        idx = k[lo:hi]
+        if shift >= 0:
+            arr = arr[shift:]
+        else:
+            idx = idx + shift
+        vals = item.values[lo:hi].view(_NP_INT[flat.element_size()])
+        (xor_scatter if item.kind == Kind.XOR else set_scatter)(arr, idx, vals)
+        return hi - lo
     valid, dst_off = map_through_view(item.indices, src, dest)
     if not dst_off.size:
         return 0
