@@ -293,14 +293,14 @@ def scatter_direct(
         if hi <= lo:
             return 0
         shift = dest.offset - src.offset  # destination offset = source offset + shift
-        arr = flat.numpy()
-        idx = k[lo:hi]
+        words = flat.numpy()
+        offsets = k[lo:hi]
         if shift >= 0:
-            arr = arr[shift:]
+            words = words[shift:]
         else:
-            idx = idx + shift
-        vals = item.values[lo:hi].view(_NP_INT[flat.element_size()])
-        (xor_scatter if item.kind == Kind.XOR else set_scatter)(arr, idx, vals)
+            offsets = offsets + shift
+        bits = item.values[lo:hi].view(_NP_INT[flat.element_size()])
+        (xor_scatter if item.kind == Kind.XOR else set_scatter)(words, offsets, bits)
         return hi - lo
     valid, dst_off = map_through_view(item.indices, src, dest)
     if not dst_off.size:
