@@ -409,23 +409,34 @@ class DCRHook:
         per canonical tensor."""
         assert t.amap is not None
         name_idx, hf = t.amap.project(local)
-        vals_xor = new ^ base[local]
+        names = t.amap.names
+        # one canonical tensor (most tasks): no grouping; a fused one (QKV, gate/up): per name
+        parts: list[tuple[int, np.ndarray | None]] = (
+            [(0, None)]
+            if len(names) == 1
+            else [(int(j), name_idx == j) for j in np.unique(name_idx)]
+        )
+        vals_xor: np.ndarray | None = None
         items = []
-        for j in np.unique(name_idx):
-            sel = name_idx == j
-            name = t.amap.names[int(j)]
-            order = np.argsort(hf[sel], kind="stable")
+        for j, sel in parts:
+            name = names[j]
+            h = hf if sel is None else hf[sel]
+            # canonical order; affine runs usually keep the local order, then no sort is needed
+            order = None if bool((h[1:] > h[:-1]).all()) else np.argsort(h, kind="stable")
             kind = Kind.XOR if xor_ok and name not in self.config.overwrite_only else Kind.OVERWRITE
-            vals = (vals_xor if kind == Kind.XOR else new)[sel][order]
+            if kind == Kind.XOR:
+                if vals_xor is None:
+                    vals_xor = new ^ base[local]
+                vals = vals_xor
+            else:  # a copy: `new` stays the build's recorded delta (commit scatters it)
+                vals = new if sel is not None or order is not None else new.copy()
+            if sel is not None:
+                vals = vals[sel]
+            if order is not None:
+                h, vals = h[order], vals[order]
             items.append(
                 make_item(
-                    name,
-                    dtype_of(t.param.dtype).name,
-                    t.hf_shapes[name],
-                    self.rank,
-                    kind,
-                    hf[sel][order],
-                    vals,
+                    name, dtype_of(t.param.dtype).name, t.hf_shapes[name], self.rank, kind, h, vals
                 )
             )
         return items
