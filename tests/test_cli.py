@@ -87,7 +87,10 @@ def test_bench_construct_small_run_writes_json(tmp_path: Path) -> None:
     for rate in ("3%", "5%"):
         # XOR masks compress better than overwrites of the same changed set
         assert by[(rate, "X")]["payload_bytes"] < by[(rate, "P")]["payload_bytes"]
-        assert 0 < by[(rate, "X")]["scan_efficiency"]
+        for m in ("X", "P"):  # against the run's read floor, and paired build by build
+            row = by[(rate, m)]
+            assert 0 < row["scan_efficiency"] and 0 < row["scan_efficiency_paired"]
+            assert 0 < row["read_floor_s"] <= row["read_min_s"] <= row["read_max_s"]
     assert res["affine_share"] == 1.0
 
 
