@@ -33,10 +33,13 @@ Latency breakdown: construction (slowest rank's ``hook.build``, uploads overlap 
 tail + manifest, then the tails on the engines: fetch still running after the build, apply
 still running after the last payload arrived (sequential: the whole fetch and apply), both
 measured from the owners' build returning to the last ACK; the owners' candidate guard
-(``verify_s``: one detection scan of the owned shards, run by the coordinator right after the
-build, overlapping those tails); commit (compare-and-set, then engines and owners advance);
-``other_s`` is what the refit's wall time holds beyond the build, the longer of (tails, guard)
-and the commit (attempt reservation, RPC round trips, retention);
+(``verify_s``, run by the coordinator right after the build, overlapping those tails; the
+owner service holds it without a scan here, ``guard`` "held": docs/protocol.md); commit
+(compare-and-set ``cas_s``, then engines and owners are told: ``commit_engines_s``,
+``commit_owners_s``); ``other_s`` is what the refit's wall time holds beyond the build, the
+longer of (tails, guard) and the commit (``prepare_s``: records read and the attempt reserved;
+RPC round trips); ``retain_s``: the retention pass the commit starts in the background
+(waited for after the refit, not part of its latency);
 ``apply_work_s`` is the engine's total apply time, overlapped or not (wall time), and
 ``apply_work_cpu_s`` the applying thread's CPU time over the same spans (the work itself);
 ``apply_parts`` how many parts the engine applied (pipelined: what had arrived, together).
