@@ -428,12 +428,14 @@ class DCRHook:
                 if vals_xor is None:
                     vals_xor = new ^ base[local]
                 vals = vals_xor
-            else:  # a copy: `new` stays the build's recorded delta (commit scatters it)
-                vals = new if sel is not None or order is not None else new.copy()
+            else:
+                vals = new
             if sel is not None:
                 vals = vals[sel]
             if order is not None:
                 h, vals = h[order], vals[order]
+            if vals is new:  # `new` stays the build's recorded delta (commit scatters it)
+                vals = new.copy()
             items.append(
                 make_item(
                     name, dtype_of(t.param.dtype).name, t.hf_shapes[name], self.rank, kind, h, vals

@@ -236,7 +236,6 @@ class OwnerService:
         if op not in ("verify", "status"):  # anything else may move the weights: no hold
             self._held = None
         t0 = time.perf_counter()
-        self._after_reply = None
         try:
             if self._broken:
                 raise OwnerBuildError(self._broken)

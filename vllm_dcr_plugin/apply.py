@@ -64,6 +64,7 @@ from vllm_dcr_plugin.intercept import (
     COPY_OPS,
     ViewGeom,
     WriteInterceptMode,
+    dense_block,
     flat_storage_bits,
     int_view,
     map_through_view,
@@ -287,14 +288,13 @@ def scatter_direct(
     whole canonical tensor, or a row block of it, into a block of a parameter) scatter the
     item's index and value slices as they are into the storage shifted by the blocks' offset:
     no mask, no offset array, no value copy."""
-    if flat.device.type == "cpu" and not verify and src.contiguous() and dest.contiguous():
-        k = item.indices
-        lo, hi = (int(x) for x in np.searchsorted(k, [src.offset, src.offset + src.numel]))
+    block = dense_block(item.indices, src, dest) if flat.device.type == "cpu" else None
+    if block is not None and not verify:
+        lo, hi, shift = block
         if hi <= lo:
             return 0
-        shift = dest.offset - src.offset  # destination offset = source offset + shift
         words = flat.numpy()
-        offsets = k[lo:hi]
+        offsets = item.indices[lo:hi]
         if shift >= 0:
             words = words[shift:]
         else:

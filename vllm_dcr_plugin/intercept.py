@@ -129,6 +129,16 @@ class ViewGeom:
         return out.reshape(-1)
 
 
+def dense_block(k: np.ndarray, src: ViewGeom, dst: ViewGeom) -> tuple[int, int, int] | None:
+    """For a copy between two dense blocks (whole tensors, row slices: the common case), the
+    slice ``k[lo:hi]`` of sorted source offsets `k` inside `src` and the `shift` that maps them
+    to destination offsets (``dest = k + shift``), as (lo, hi, shift); None for other views."""
+    if not (src.contiguous() and dst.contiguous()):
+        return None
+    lo, hi = (int(x) for x in np.searchsorted(k, [src.offset, src.offset + src.numel]))
+    return lo, hi, dst.offset - src.offset
+
+
 def map_through_view(k: np.ndarray, src: ViewGeom, dst: ViewGeom) -> tuple[np.ndarray, np.ndarray]:
     """Map source storage offsets `k` (scratch = canonical flat indices) through a copy from view
     `src` to view `dst` (same shape). Returns (mask of k inside `src`, destination offsets).
@@ -136,11 +146,12 @@ def map_through_view(k: np.ndarray, src: ViewGeom, dst: ViewGeom) -> tuple[np.nd
     `k` must be sorted. Dense blocks on both sides (whole tensors, row slices: the common case)
     take a fast path: a binary search for the block and one subtraction.
     """
-    if src.contiguous() and dst.contiguous():
-        lo, hi = np.searchsorted(k, [src.offset, src.offset + src.numel])
+    block = dense_block(k, src, dst)
+    if block is not None:
+        lo, hi, shift = block
         valid = np.zeros(k.shape, dtype=bool)
         valid[lo:hi] = True
-        return valid, k[lo:hi] - (src.offset - dst.offset)
+        return valid, k[lo:hi] + shift
     r = k - src.offset
     valid = r >= 0
     dest = np.full(k.shape, dst.offset, dtype=np.int64)
