@@ -41,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from shared_codec.errors import PayloadError
 from shared_codec.format import peek_header
 from shared_codec.transport.seam import Seal, SealedAttempt, SinkReport
-from shared_codec.transport.store import ObjectStore, TransportError
+from shared_codec.transport.store import ObjectStore, TransportError, poll_interval
 
 
 def attempt_prefix(version: int, attempt: int) -> str:
@@ -322,11 +322,13 @@ class ObjectFetcher:
         version: int,
         attempt: int,
         timeout_s: float = 60.0,
-        poll_s: float = 0.01,
+        poll_s: tuple[float, float] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[bytes]:
         """Yield each payload of the attempt as soon as its object exists (listing the attempt's
-        prefix every `poll_s`, backing off to 0.05 s while nothing new appears), then, once the
+        prefix every ``poll_s[0]`` s, backing off to ``poll_s[1]`` while nothing new appears;
+        default: the store's own, `store.poll_interval`: 2-5 ms on a local directory, 10-50 ms
+        on S3), then, once the
         manifest is written, the listed payloads not yet yielded. Raises TransportError when a
         yielded object is not listed by the manifest (the caller fails the attempt), when a
         listed payload is missing or differs, when the attempt is abandoned, or at `timeout_s`
@@ -334,7 +336,8 @@ class ObjectFetcher:
         `cancelled()` true ends the stream quietly at the next poll (its consumer gave up)."""
         prefix = attempt_prefix(version, attempt)
         seen: dict[str, str] = {}  # key -> payload id (hex)
-        deadline, delay = time.monotonic() + timeout_s, poll_s
+        first, cap = poll_interval(self.store) if poll_s is None else poll_s
+        deadline, delay = time.monotonic() + timeout_s, first
         while True:
             if cancelled is not None and cancelled():
                 return
@@ -357,10 +360,10 @@ class ObjectFetcher:
                     "not finish"
                 )
             if fresh:
-                delay = poll_s
+                delay = first
             else:
                 time.sleep(delay)
-                delay = min(0.05, delay * 1.5)
+                delay = min(cap, delay * 1.5)
         listed = self._listed(version, attempt, m)
         keys = {e["key"] for e in listed}
         stray = sorted(set(seen) - keys)

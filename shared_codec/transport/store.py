@@ -12,6 +12,11 @@ object, overwriting), ``put_if_absent`` (create-only; False when the key exists)
   responses, timeouts and connection errors (`retrying`), on top of botocore's own retries.
   ``put_if_absent`` uses a conditional write (``If-None-Match: *``).
 
+A store may carry ``poll_s = (first, cap)``: how often a watcher of a prefix lists it (first
+poll interval, and the cap it backs off to while nothing new appears; `poll_interval`). A local
+directory lists one directory in tens of microseconds and polls every 2-5 ms; S3 keeps 10-50 ms
+(each LIST is a billed request with a round trip of its own).
+
 Limitations:
 1. boto3 is imported only when an S3Store is created (the ``s3`` extra).
 """
@@ -41,8 +46,21 @@ class ObjectStore(Protocol):
     def delete(self, key: str) -> None: ...
 
 
+#: Watchers' poll interval (first, cap) for stores that do not say (`poll_interval`).
+DEFAULT_POLL_S = (0.01, 0.05)
+
+
+def poll_interval(store: object) -> tuple[float, float]:
+    """How often a watcher lists `store`: its ``poll_s`` (first interval, back-off cap), or
+    `DEFAULT_POLL_S`."""
+    first, cap = getattr(store, "poll_s", DEFAULT_POLL_S)
+    return float(first), float(cap)
+
+
 class DirectoryStore:
     """Objects as files under `root` (keys are relative paths with "/")."""
+
+    poll_s = (0.002, 0.005)  # a listing is one local directory read
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -91,13 +109,20 @@ class DirectoryStore:
         one attempt's prefix does not walk every version the store holds)."""
         head = prefix.rpartition("/")[0]
         base = self._path(head) if head else self.root
-        if not base.is_dir():
-            return []
-        out = []
-        for p in base.rglob("*"):
-            if p.is_file() and not p.name.startswith(".tmp-"):
-                key = p.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
+        out: list[str] = []
+        todo = [(str(base), f"{head}/" if head else "")]
+        while todo:  # os.scandir: a poll must stay cheap (pathlib's rglob costs ~100x more)
+            path, rel = todo.pop()
+            try:
+                entries = list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for e in entries:
+                key = rel + e.name
+                if e.is_dir(follow_symlinks=False):
+                    if key.startswith(prefix) or prefix.startswith(f"{key}/"):
+                        todo.append((e.path, f"{key}/"))
+                elif key.startswith(prefix) and not e.name.startswith(".tmp-") and e.is_file():
                     out.append(key)
         return sorted(out)
 
@@ -297,6 +322,7 @@ class ThrottledStore:
         if bytes_per_s <= 0:
             raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
         self.inner = inner
+        self.poll_s = poll_interval(inner)  # listing is not throttled
         self.rate = float(bytes_per_s)
         self._lock = threading.Lock()
         self._next = time.monotonic()  # when the link is free again

@@ -177,6 +177,31 @@ def test_injected_s3_errors_are_retried(moto_endpoint) -> None:
         proxy.shutdown()
 
 
+def test_directory_listing_walks_only_the_prefix_and_hides_partial_writes(tmp_path: Path) -> None:
+    from shared_codec.transport.store import (
+        DEFAULT_POLL_S,
+        DirectoryStore,
+        ThrottledStore,
+        poll_interval,
+    )
+
+    store = DirectoryStore(tmp_path / "s")
+    keys = ["v1/a0/o0.dcrp", "v1/a0/o1.dcrp", "v1/a0/owners/r0.json", "v1/a1/o0.dcrp", "v10/x", "w"]
+    for k in keys:
+        store.put(k, k.encode())
+    (tmp_path / "s" / "v1" / "a0" / ".tmp-half").write_bytes(b"partial")  # a write in flight
+    assert store.list("") == sorted(keys)
+    assert store.list("v1") == sorted(keys[:5])  # "v10/x" starts with "v1" too
+    assert store.list("v1/") == keys[:4]
+    assert store.list("v1/a0/o") == keys[:3]
+    assert store.list("v1/a0/o1") == ["v1/a0/o1.dcrp"]
+    assert store.list("v1/a0/owners/") == ["v1/a0/owners/r0.json"]
+    assert store.list("v2/") == [] and store.list("w/") == [] and store.list("w") == ["w"]
+    # watchers poll a local directory fast, through a throttled link too; other stores default
+    assert poll_interval(store) == poll_interval(ThrottledStore(store, 1e6)) == (0.002, 0.005)
+    assert poll_interval(object()) == DEFAULT_POLL_S
+
+
 def test_open_store_specs_and_throttle(tmp_path: Path) -> None:
     import json
     import time

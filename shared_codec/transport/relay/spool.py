@@ -33,15 +33,21 @@ from pathlib import Path
 from shared_codec.format import PayloadHeader, peek_header
 from shared_codec.transport.relay.messages import Abandon, Forget, Manifest
 from shared_codec.transport.seam import SealedAttempt
-from shared_codec.transport.store import TransportError
+from shared_codec.transport.store import DirectoryStore, TransportError
 
 
 def _marker(kind: str, version: int, attempt: int) -> str:
     return f"{kind}-v{version:012d}-a{attempt:06d}.json"
 
 
-def _payload_glob(version: int, attempt: int) -> str:
-    return f"v{version:012d}-a{attempt:06d}-*.bin"
+def _payload_files(root: Path, version: int, attempt: int) -> list[Path]:
+    """The attempt's payload files in `root` (one directory read: a poll stays cheap)."""
+    head, tail = f"v{version:012d}-a{attempt:06d}-", ".bin"
+    try:
+        with os.scandir(root) as it:
+            return [Path(e.path) for e in it if e.name.startswith(head) and e.name.endswith(tail)]
+    except FileNotFoundError:
+        return []
 
 
 # the version of every file a spool writes (payloads, delivery logs, notices)
@@ -127,7 +133,7 @@ def read_spool(directory: str, version: int, attempt: int) -> list[bytes]:
     order, as they are now (no waiting: call it after the tree's completion acknowledgement,
     or after `wait_manifest`)."""
     found = []
-    for f in sorted(Path(directory).glob(_payload_glob(version, attempt))):
+    for f in sorted(_payload_files(Path(directory), version, attempt)):
         data = f.read_bytes()
         m = _checked_header(f, data, version, attempt).meta
         found.append(((m.owner, m.sequence), data))
@@ -155,25 +161,26 @@ def stream_spool(
     version: int,
     attempt: int,
     timeout_s: float = 60.0,
-    poll_s: float = 0.01,
+    poll_s: tuple[float, float] = DirectoryStore.poll_s,
     cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[bytes]:
     """Yield the payloads of (`version`, `attempt`) from a node's spool as they arrive
+    (listing it every ``poll_s[0]`` s, backing off to ``poll_s[1]``: a local directory)
     (pipelined engines), until the node's manifest notice says every listed payload is here;
     raises TransportError when the attempt was abandoned, when the spool holds a payload of the
     attempt that the manifest does not list, or at `timeout_s` without a manifest notice.
     `cancelled()` true ends the stream quietly at the next poll (its consumer gave up)."""
     root = Path(directory)
-    pattern = _payload_glob(version, attempt)
     seen: set[str] = set()  # file names looked at in this call
     ids: set[str] = set()  # payload ids of this attempt yielded
-    deadline, delay = time.monotonic() + timeout_s, poll_s
+    first, cap = poll_s
+    deadline, delay = time.monotonic() + timeout_s, first
     while True:
         if cancelled is not None and cancelled():
             return
         _check_abandoned(root, version, attempt)
         manifest = _manifest_ids(root, version, attempt)
-        fresh = sorted(f for f in root.glob(pattern) if f.name not in seen) if root.exists() else []
+        fresh = sorted(f for f in _payload_files(root, version, attempt) if f.name not in seen)
         for f in fresh:
             seen.add(f.name)
             data = f.read_bytes()
@@ -195,10 +202,10 @@ def stream_spool(
                 f"after {timeout_s:.0f}s: owners, the tree or the coordinator did not finish"
             )
         if fresh:
-            delay = poll_s
+            delay = first
         else:
             time.sleep(delay)
-            delay = min(0.05, delay * 1.5)
+            delay = min(cap, delay * 1.5)
 
 
 class SpoolSource:
