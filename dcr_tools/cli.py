@@ -18,7 +18,7 @@ Subcommands (each has ``--help``):
 - ``dcr bench construct [--json PATH] [--size medium|small|large] [--modes X,P,F]``: owner-side
   construction time, payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G[,G...]] [--rates R[,R...]]
-  [--repeats N] [--pin] [--trainer-tp T] [--nodes N] [--bucket-mib M]``: end-to-end refits
+  [--repeats N] [--pin] [--trainer-tp T] [--nodes N] [--bucket-mib M] [--min-bucket-kib K]``: end-to-end refits
   (pipelined and sequential) vs the full-checkpoint reference over the same throttled links,
   interleaved, a warm-up then N rounds (median and min-max); ``--pin``: two-cluster emulation
   (trainer and engines on separate CPUs).
@@ -98,6 +98,7 @@ def cmd_bench_refit(args: argparse.Namespace) -> int:
         pin=args.pin,
         trainer_tp=args.trainer_tp,
         rates=tuple(r / 100 for r in args.rates),
+        min_bucket_kib=args.min_bucket_kib,
     )
 
 
@@ -437,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=2.0,
         help="raw record bytes per payload (MiB, default 2): smaller buckets overlap more",
+    )
+    p.add_argument(
+        "--min-bucket-kib",
+        type=float,
+        default=256.0,
+        help="the owners' taper floor (KiB, default 256): the buckets halve down to it at the "
+        "end of a build; the bucket size turns the taper off",
     )
     p.set_defaults(func=cmd_bench_refit)
 

@@ -111,6 +111,9 @@ class DCRConfig:
     two must describe the same model.
     `mode`: `ConstructionMode` or its letter "X" (default), "P" or "F" (converted here; any
     other value raises ValueError). `bucket_bytes`: raw record bytes per payload.
+    `min_bucket_bytes`: the buckets shrink towards the end of a build, halving down to this
+    size, so a pipelined receiver has little left to move and apply once the build ends
+    (`shared_codec.buckets`); set it to `bucket_bytes` for equal buckets throughout.
     `key`: shared secret for keyed payload digests. `paper_codec`: the paper's plain streams.
     `overwrite_only`: canonical tensors receivers cannot take XOR for (union of the receivers'
     prewarm reports; any iterable of names, stored as a frozenset). `force_residual`: mapping
@@ -126,6 +129,7 @@ class DCRConfig:
     architecture: str = "Qwen3ForCausalLM"
     mode: ConstructionMode | str = ConstructionMode.X  # a ConstructionMode after __post_init__
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    min_bucket_bytes: int = 256 << 10
     key: bytes | None = None
     paper_codec: bool = False
     overwrite_only: AbstractSet[str] = frozenset()  # a frozenset after __post_init__
@@ -239,6 +243,12 @@ class DCRHook:
         self.owned_idx = {t.index for t in self.owned}
         full = config.mode is ConstructionMode.F
         self.tracked = [t for t in self.owned if t.kind is TaskKind.AFFINE and not full]
+        # build order: largest shards first, so the build ends on small shards and the buckets
+        # taper (`BucketEncoder.add(after=)`): the last payload, what a pipelined receiver still
+        # moves and applies after the build, is small (the order of items is free: every item
+        # names its canonical tensor and indices)
+        self.scan_order = sorted(self.tracked, key=lambda t: -t.param.numel())
+        self._scan_elements = sum(t.param.numel() for t in self.tracked)
         self.residual_tasks = [t for t in self.tasks if t.kind is TaskKind.RESIDUAL or full]
         # trackers: committed stored bits of owned shards (affine tasks are projected from
         # them; owned residual tasks only use them for the changed flag)
@@ -343,16 +353,22 @@ class DCRHook:
             meta,
             BucketConfig(
                 bucket_bytes=self.config.bucket_bytes,
+                min_bucket_bytes=self.config.min_bucket_bytes,
                 key=self.config.key,
                 paper=self.config.paper_codec,
                 threads=self.config.encode_threads,
             ),
         )
         xor_ok = self.config.mode is ConstructionMode.X and not retry
+        # taper estimate: the records still to come, extrapolated from those so far; unknown
+        # (no taper) when residual conversion follows
+        taper = not self.residual_tasks
+        scanned = 0
         try:
-            for t in self.tracked:
+            for t in self.scan_order:
                 cur = t.param.detach()
                 rep.owned_elements += cur.numel()
+                scanned += cur.numel()
                 td = time.perf_counter()
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
@@ -365,8 +381,16 @@ class DCRHook:
                 new = cur_bits[local]
                 delta[t.index] = (local, new)
                 rep.changed_elements += int(local.size)
-                for item in self._project(t, local, new, base_bits, xor_ok):
-                    self._emit(enc, writer, item, rep)
+                items = self._project(t, local, new, base_bits, xor_ok)
+                rest = sum(item.raw_bytes for item in items)
+                later = (
+                    (enc.raw_bytes + enc.open_bytes + rest)
+                    * (self._scan_elements - scanned)
+                    // max(scanned, 1)
+                )
+                for item in items:
+                    rest -= item.raw_bytes
+                    self._emit(enc, writer, item, rep, after=rest + later if taper else None)
             self._residual(enc, writer, rep, fingerprints, delta)
             for payload in enc.finish():
                 writer.put(payload)
@@ -393,13 +417,19 @@ class DCRHook:
         return rep
 
     def _emit(
-        self, enc: BucketEncoder, writer: _SinkThread, item: DeltaItem, rep: BuildReport
+        self,
+        enc: BucketEncoder,
+        writer: _SinkThread,
+        item: DeltaItem,
+        rep: BuildReport,
+        *,
+        after: int | None = None,
     ) -> None:
         rep.items += 1
         rep.entries += item.count
         if item.kind == Kind.XOR:
             rep.xor_entries += item.count
-        for payload in enc.add(item):
+        for payload in enc.add(item, after=after):
             writer.put(payload)
 
     def _project(

@@ -7,6 +7,13 @@ zstd-compressed as one payload; buckets of at least `parallel_min_bytes` are enc
 pool (numpy and zstandard release the GIL) while the caller keeps adding items, and payloads are
 returned strictly in sequence order.
 
+Taper: a caller that knows roughly how many record bytes are still to come (`add(item,
+after=...)`) gets buckets that shrink towards the end: a bucket is closed once it holds half of
+itself plus everything still to come, never below `min_bucket_bytes`. The buckets halve down to
+that floor, so the last payload of a build is small: what a pipelined receiver still has to move
+and apply after the build ends is one small bucket, not a full one (about log2(bucket_bytes /
+min_bucket_bytes) more payloads per build).
+
 Call order (one owner, one attempt): ``enc = BucketEncoder(meta, config)``, then ``enc.add(item)``
 for each item (returns the payloads completed so far), then ``enc.finish()`` (returns the rest).
 Sequence numbers start at ``meta.sequence`` and increase by one per payload.
@@ -34,7 +41,8 @@ class BucketConfig:
     streams (XOR words + plain u32 gaps) instead of byte planes. `key`: shared secret for keyed
     digests. `threads`: thread-pool size for encoding large buckets (0 = inline).
     `parallel_min_bytes`: buckets smaller than this are encoded inline. `max_in_flight`: bound on
-    buckets queued in the pool (back-pressure on `add`).
+    buckets queued in the pool (back-pressure on `add`). `min_bucket_bytes`: the smallest bucket
+    the taper closes (module docstring; at most `bucket_bytes`).
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -43,10 +51,13 @@ class BucketConfig:
     threads: int = 2
     parallel_min_bytes: int = 4 << 20
     max_in_flight: int = 4
+    min_bucket_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 64:
             raise ValueError("bucket_bytes must be at least 64")
+        if self.min_bucket_bytes < 64:
+            raise ValueError("min_bucket_bytes must be at least 64")
 
 
 class BucketEncoder:
@@ -101,16 +112,38 @@ class BucketEncoder:
             out.append(data)
         return out
 
-    def add(self, item: DeltaItem) -> list[bytes]:
-        """Add one item (split across buckets as needed); return payloads completed so far."""
+    @property
+    def open_bytes(self) -> int:
+        """Raw record bytes added but not yet in an emitted bucket."""
+        return self._bytes
+
+    def _bound(self, rest: int | None) -> int:
+        """The size at which the current bucket closes; `rest`: record bytes still to come
+        after it (None: unknown, no taper)."""
+        full = self.config.bucket_bytes
+        if rest is None:
+            return full
+        floor = min(self.config.min_bucket_bytes, full)
+        return min(full, max(floor, (self._bytes + rest) // 2))
+
+    def add(self, item: DeltaItem, *, after: int | None = None) -> list[bytes]:
+        """Add one item (split across buckets as needed); return payloads completed so far.
+
+        `after`: about how many raw record bytes the caller will add after this item (an
+        estimate is enough; None: unknown). With it the buckets taper (module docstring).
+        """
         if item.owner != self.meta.owner:
             raise ValueError(
                 f"item {item.name}: owner {item.owner} != encoder owner {self.meta.owner}"
             )
+        if after is not None and after < 0:
+            raise ValueError(f"after must be >= 0, got {after}")
         per_entry = 8 + item.dtype_info.itemsize
         start = 0
         while start < item.count or (item.count == 0 and start == 0):
-            room = max((self.config.bucket_bytes - self._bytes) // per_entry, 0)
+            rest = None if after is None else (item.count - start) * per_entry + after
+            bound = self._bound(rest)
+            room = max((bound - self._bytes) // per_entry, 0)
             if room == 0 and self._items:
                 self._emit_bucket()
                 continue
@@ -124,7 +157,7 @@ class BucketEncoder:
             self._items.append(part)
             self._bytes += part.raw_bytes
             start = stop if item.count else 1
-            if self._bytes >= self.config.bucket_bytes:
+            if self._bytes >= bound:
                 self._emit_bucket()
         return self._collect(wait=False)
 

@@ -255,6 +255,7 @@ def run(
     repeats: int = 5,
     pin: bool = False,
     trainer_tp: int | None = None,
+    min_bucket_kib: float = 256.0,
 ) -> dict[str, Any]:
     """The whole benchmark (module docstring); `trainer_tp` defaults to 1 with `pin` (the
     trainer's half may be one core), else 2."""
@@ -303,7 +304,7 @@ def run(
         for i, gbit in enumerate(gbits):
             link = _link(
                 i, gbit, str(model), work, env, tp, cpus, urls, servers, rates, repeats,
-                int(bucket_mib * (1 << 20)),
+                int(bucket_mib * (1 << 20)), int(min_bucket_kib * 1024),
             )  # fmt: skip
             rows += link.pop("rows")
             links.append(link)
@@ -315,6 +316,7 @@ def run(
             "bandwidths_gbit_per_s": list(gbits),
             "nodes": nodes,
             "bucket_bytes": int(bucket_mib * (1 << 20)),
+            "min_bucket_bytes": int(min_bucket_kib * 1024),
             "repeats": repeats,
             "trainer_tp": tp,
             "pinned": pin,
@@ -341,6 +343,7 @@ def _link(
     rates: tuple[float, ...],
     repeats: int,
     bucket_bytes: int,
+    min_bucket_bytes: int,
 ) -> dict[str, Any]:
     """Every round at one bandwidth: a fresh trainer job and store, the engines back at v0."""
     bw = gbit * 1e9 / 8
@@ -354,6 +357,8 @@ def _link(
         ["--store", json.dumps(spec)],
         "--bucket-bytes",
         str(bucket_bytes),
+        "--min-bucket-bytes",
+        str(min_bucket_bytes),
         log=work / f"trainer{index}.log",
         env=env,
         tp=tp,
@@ -611,7 +616,8 @@ def render(res: dict[str, Any]) -> str:
         f"Refit vs full-checkpoint transfer ({res['checkpoint_bytes'] / 1e6:.0f} MB checkpoint, "
         f"{nodes} rollout node(s), trainer TP={res['trainer_tp']}, "
         + ("pinned: two-cluster emulation" if res["pinned"] else "not pinned: shared cores")
-        + f", buckets of {res['bucket_bytes'] / (1 << 20):g} MiB raw records); median [min-max] "
+        + f", buckets of {res['bucket_bytes'] / (1 << 20):g} MiB raw records tapering to "
+        f"{res.get('min_bucket_bytes', res['bucket_bytes']) / 1024:g} KiB); median [min-max] "
         f"of {res['repeats']} rounds after a warm-up per mode; bound = max(construction, "
         "V_payload / bandwidth), ideal = min(checkpoint / V_payload, reference / construction)",
         f"{'Gbit/s':>6} {'rate':>4} {'mode':>10} | {'DCR s':>17} | {'bound s':>17} | "
@@ -675,6 +681,7 @@ def main(
     pin: bool = False,
     trainer_tp: int | None = None,
     rates: tuple[float, ...] = (0.01, 0.03, 0.05),
+    min_bucket_kib: float = 256.0,
 ) -> int:
     res = run(
         size=size,
@@ -685,6 +692,7 @@ def main(
         repeats=repeats,
         pin=pin,
         trainer_tp=trainer_tp,
+        min_bucket_kib=min_bucket_kib,
     )
     print(render(res))
     if json_path:

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--relay", default="", help="relay-tree root address the payloads go to")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
+    ap.add_argument("--min-bucket-bytes", type=int, default=1 << 16, help="the taper's floor")
     args = ap.parse_args(argv)
 
     from dcr_tools.trainers.trainer import Trainer, start
@@ -48,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     hook = DCRHook(
         [model],
         DCRConfig(
-            architecture=architecture_of(cfg), wrap_step=False, bucket_bytes=args.bucket_bytes
+            architecture=architecture_of(cfg),
+            wrap_step=False,
+            bucket_bytes=args.bucket_bytes,
+            min_bucket_bytes=args.min_bucket_bytes,
         ),
     )
 

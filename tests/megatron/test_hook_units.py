@@ -179,6 +179,56 @@ def test_hook_builds_exact_deltas_on_the_given_groups(groups: ParallelGroups, mo
     assert quiet.items == 0 and _items(hook.payloads) == []
 
 
+class FakeNamed:
+    """FAKE one-rank ColumnParallelMapping with its own canonical name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def megatron_to_hf(self, x: torch.Tensor, module: Any) -> dict[str, torch.Tensor]:
+        return {self.name: x.clone()}
+
+
+class FakeAffineModel(FakeModel):
+    """FAKE model: four bf16 column-parallel parameters of different sizes, all affine."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        g = torch.Generator().manual_seed(1)
+        self.maps = {}
+        for name, shape in {"a": (8, 16), "b": (64, 64), "c": (4, 16), "d": (32, 64)}.items():
+            p = torch.nn.Parameter(torch.randn(*shape, generator=g).to(torch.bfloat16))
+            p.tensor_model_parallel = True  # type: ignore[attr-defined]
+            self.register_parameter(name, p)
+            self.maps[name] = FakeNamed(f"{name}.weight")
+
+
+def test_build_scans_large_shards_first_and_tapers_its_last_buckets(
+    groups: ParallelGroups,
+) -> None:
+    raw: dict[int, list[int]] = {}
+    for floor in (256, 4096):
+        model = FakeAffineModel()
+        hook = DCRHook([model], _config(bucket_bytes=4096, min_bucket_bytes=floor), groups=groups)
+        assert [t.param_task.local_name for t in hook.scan_order] == ["b", "d", "a", "c"]
+        v0 = model.export()
+        model.perturb(3, fraction=0.3)
+        v1 = model.export()
+        hook.build(1)
+        payloads = [decode_payload(p) for p in hook.payloads]
+        raw[floor] = [sum(it.raw_bytes for it in d.items) for d in payloads]
+        state = {k: v.clone() for k, v in v0.items()}
+        apply_items(state, [it for d in payloads for it in d.items])
+        assert all(bits_equal(state[n], v1[n]) for n in v1)
+        assert [d.meta.sequence for d in payloads] == list(range(len(payloads)))
+    # no taper (floor = bucket): full buckets (to the last whole 10-byte record) and one
+    # remainder; with it the sizes halve at the end of the build, the last below the floor
+    assert all(r > 4096 - 10 for r in raw[4096][:-1]) and sum(raw[256]) == sum(raw[4096])
+    tail = raw[256][-4:]
+    assert tail == sorted(tail, reverse=True) and raw[256][-1] <= 256
+    assert len(raw[256]) > len(raw[4096])
+
+
 def test_failed_attempt_then_overwrite_retry_is_exact(groups: ParallelGroups) -> None:
     model = FakeModel()
     hook = DCRHook([model], _config(), groups=groups)

@@ -123,6 +123,52 @@ def test_threaded_buckets_keep_order() -> None:
     assert enc.payload_count == len(out) and enc.stored_bytes == sum(map(len, out))
 
 
+def _bf16_items(n: int, entries: int, seed: int = 0) -> list[DeltaItem]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        idx = np.sort(rng.choice(1_000_000, size=entries, replace=False)).astype(np.int64)
+        vals = rng.integers(0, 65536, size=idx.size).astype(np.uint16)
+        out.append(make_item(f"t{k}", "bfloat16", (1000, 1000), 7, Kind.XOR, idx, vals))
+    return out
+
+
+def _raw_sizes(payloads: list[bytes]) -> list[int]:
+    return [sum(it.raw_bytes for it in decode_payload(p).items) for p in payloads]
+
+
+def test_taper_shrinks_the_last_buckets_and_keeps_every_record() -> None:
+    its = _bf16_items(8, 40_000)  # 8 x 400,000 raw record bytes
+    total = sum(it.raw_bytes for it in its)
+    cfg = BucketConfig(bucket_bytes=1_000_000, min_bucket_bytes=50_000, threads=0)
+    enc = BucketEncoder(META, cfg)
+    out: list[bytes] = []
+    for k, it in enumerate(its):
+        out += enc.add(it, after=sum(x.raw_bytes for x in its[k + 1 :]))
+    out += enc.finish()
+    sizes = _raw_sizes(out)
+    assert sum(sizes) == total == enc.raw_bytes
+    # full buckets while more than two buckets' worth is still to come, then halving to the floor
+    assert sizes == [1_000_000, 1_000_000, 600_000, 300_000, 150_000, 75_000, 50_000, 25_000]
+    plain = _raw_sizes(encode_items(its, META, BucketConfig(bucket_bytes=1_000_000, threads=0)))
+    assert plain == [1_000_000, 1_000_000, 1_000_000, 200_000]
+    got = [it for p in out for it in decode_payload(p).items]
+    for want in its:
+        parts = [g for g in got if g.name == want.name]
+        assert np.array_equal(np.concatenate([p.indices for p in parts]), want.indices)
+        assert np.array_equal(np.concatenate([p.values for p in parts]), want.values)
+    assert [peek_header(p).meta.sequence for p in out] == list(range(3, 3 + len(out)))
+
+
+def test_taper_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="min_bucket_bytes"):
+        BucketConfig(min_bucket_bytes=8)
+    enc = BucketEncoder(META, BucketConfig(threads=0))
+    with pytest.raises(ValueError, match="after must be >= 0"):
+        enc.add(_bf16_items(1, 10)[0], after=-1)
+    assert enc.open_bytes == 0 and enc.finish() == []
+
+
 @pytest.mark.parametrize(
     "dtype",
     [
