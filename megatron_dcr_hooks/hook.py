@@ -363,12 +363,10 @@ class DCRHook:
         # taper estimate: the records still to come, extrapolated from those so far; unknown
         # (no taper) when residual conversion follows
         taper = not self.residual_tasks
-        scanned = 0
         try:
             for t in self.scan_order:
                 cur = t.param.detach()
-                rep.owned_elements += cur.numel()
-                scanned += cur.numel()
+                rep.owned_elements += cur.numel()  # scanned so far (residual tasks come after)
                 td = time.perf_counter()
                 cur_bits = tensor_bits(cur.to("cpu"))
                 base_bits = tensor_bits(self.trackers[t.index])
@@ -385,8 +383,8 @@ class DCRHook:
                 rest = sum(item.raw_bytes for item in items)
                 later = (
                     (enc.raw_bytes + enc.open_bytes + rest)
-                    * (self._scan_elements - scanned)
-                    // max(scanned, 1)
+                    * (self._scan_elements - rep.owned_elements)
+                    // max(rep.owned_elements, 1)
                 )
                 for item in items:
                     rest -= item.raw_bytes

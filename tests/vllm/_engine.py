@@ -15,8 +15,8 @@ def start_llm(model: str, tp: int = 1, **extra: Any) -> Any:
     (neither a dense refit nor DCR can write it; test_derived.py checks that DCR says so)."""
     from vllm import LLM
 
-    config = json.loads((Path(model) / "config.json").read_text())
-    if "kv_lora_rank" in config:
+    config = Path(model) / "config.json"
+    if config.is_file() and "kv_lora_rank" in json.loads(config.read_text()):
         extra.setdefault("attention_backend", "CPU_MLA")
 
     return LLM(
