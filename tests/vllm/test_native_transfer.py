@@ -208,13 +208,23 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     assert dense_checksums(server, engine, 3) == after_v3
 
 
-def _generate(server: Server, max_tokens: int, started: threading.Event, out: list) -> None:
-    """Stream one greedy completion; appends (token ids, final choice) to `out`."""
+def _generate(
+    server: Server, max_tokens: int, started: threading.Event, out: list, stream: bool = True
+) -> None:
+    """One greedy completion; appends (token ids, final choice) to `out`. Streamed, `started` is
+    set once the first tokens arrived; not streamed, the client sits in one blocking read (no
+    per-token work in this process) and `started` is not used."""
     body = {
         "token_ids": [1, 2, 3, 4],
         "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
-        "stream": True,
+        "stream": stream,
     }
+    if not stream:
+        r = requests.post(server.url + "/inference/v1/generate", json=body, timeout=600)
+        r.raise_for_status()
+        (choice,) = r.json()["choices"]
+        out.append((choice["token_ids"], choice))
+        return
     tokens: list[int] = []
     final = None
     with requests.post(
@@ -223,13 +233,26 @@ def _generate(server: Server, max_tokens: int, started: threading.Event, out: li
         for line in r.iter_lines():
             if not line.startswith(b"data: {"):
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            event = json.loads(line[6:])
+            assert "choices" in event, f"the stream sent {event}"
+            choice = event["choices"][0]
             tokens += choice["token_ids"]
             if len(tokens) >= 8:
                 started.set()
             if choice["finish_reason"] is not None:
                 final = choice
     out.append((tokens, final))
+
+
+def _gauges(server: Server) -> dict[str, float]:
+    """vLLM's own request gauges (``vllm:num_requests_running`` / ``_waiting``)."""
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        for name in ("running", "waiting"):
+            if line.startswith((f"vllm:num_requests_{name}{{", f"vllm:num_requests_{name} ")):
+                out[name] = float(line.split()[-1])
+    return out
 
 
 def _wait_running(server: Server, started: threading.Event, timeout_s: float = 120.0) -> None:
@@ -241,10 +264,8 @@ def _wait_running(server: Server, started: threading.Event, timeout_s: float = 1
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not started.is_set():
-        text = requests.get(server.url + "/metrics", timeout=30).text
-        for line in text.splitlines():
-            if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
-                return
+        if _gauges(server).get("running", 0) >= 1:
+            return
         time.sleep(0.05)
     assert started.is_set(), f"no request running in the engine after {timeout_s} s"
 
@@ -267,17 +288,25 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         transport=engine.coordinator.transport,
     )
     before = server.checksums()
-    # four long requests, run one after the other (--max-num-seqs 1): the engine holds request
-    # state for four requests' worth of decoding, so the apply's gate meets them even when the
-    # streams' first tokens (or the gauge) reach this process late on a starved API server
-    started, done = threading.Event(), []
-    threads = [threading.Thread(target=_generate, args=(server, 8000, started, done))]
-    threads += [threading.Thread(target=_generate, args=(server, 8000, threading.Event(), done))]
-    threads += [threading.Thread(target=_generate, args=(server, 8000, threading.Event(), done))]
-    threads += [threading.Thread(target=_generate, args=(server, 8000, threading.Event(), done))]
+    # eight clients send long requests back to back, not streamed, until the refit returns
+    # (--max-num-seqs 1: one runs, the others wait in vLLM's scheduler, which hands the worker
+    # the next in the step that retires the last), so the worker holds request state for as long
+    # as the refit takes. On 2 cores a busy engine core was seen to take in new requests and
+    # utility calls (the refit's start / update) only at request boundaries, up to 85 s late:
+    # seven queued requests are minutes of engine time, and a fixed batch once ran dry first.
+    done, stop = [], threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            _generate(server, 8000, threading.Event(), done, stream=False)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
     for t in threads:
         t.start()
-    _wait_running(server, started)
+    deadline = time.monotonic() + 120
+    while (g := _gauges(server)).get("running", 0) < 1 or g.get("waiting", 0) < 1:
+        assert time.monotonic() < deadline, f"no request running and queued after 120 s: {g}"
+        time.sleep(0.05)
     t_seen = time.monotonic()
     try:
         res = gate.refit()
@@ -286,19 +315,22 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     else:  # say what the worker's gate saw and when
         (rank0,) = res.attempts[0].acks["engine0"]["ranks"]
         pytest.fail(
-            f"applied {time.monotonic() - t_seen:.1f} s after requests were seen running; "
-            f"the gate saw {rank0.get('gate')}; streams so far: {[len(d[0]) for d in done]}"
+            f"applied {time.monotonic() - t_seen:.1f} s after requests were seen running and "
+            f"queued; the gate saw {rank0.get('gate')}; requests done: {len(done)}; "
+            f"phases: {res.attempts[0].seconds}"
         )
-    # sync RL's other way out: pause(abort) ends the rollout, then resume
+    finally:
+        stop.set()
+    # sync RL's other way out: pause(abort) ends the rollout, then resume (before the join: a
+    # client that sent its last request just as the refit returned then finishes it normally)
     server.post("/pause", mode="abort")
+    server.post("/resume")
     for t in threads:
         t.join(600)
-    # (the refusal above proved the requests held state; a starved API server can still deliver
-    # a request's end before the abort reaches the engine, but not all four)
+    # the abort ended the running and the queued requests: each request ended either way
     finals = [(final["finish_reason"], len(tokens)) for tokens, final in done]
     assert any(r == "abort" and n < 8000 for r, n in finals), finals
     assert all(r == "abort" or (r == "length" and n == 8000) for r, n in finals), finals
-    server.post("/resume")
     assert server.checksums() == before  # refused before any write
     assert server.weight_version() == "0"
 
