@@ -21,8 +21,8 @@ Who calls what, per attempt (version v, attempt a):
    payloads as they arrive, before the seal, and ends at the seal; both raise TransportError
    when the attempt was abandoned, when a payload is missing or not listed by the seal, or at
    their timeout. ``source.sealed(v, a)`` returns what the seal names (`SealedAttempt`: the
-   payload ids, and the base version where the transport's seal carries it), waiting for it:
-   receivers apply exactly that set (docs/protocol.md, "Exactly once").
+   payload ids, and the base version the seal names), waiting for it: receivers apply exactly
+   that set (docs/protocol.md, "Exactly once") and refuse a seal on another base version.
 
 Spec (a dict, or its JSON text), by ``"kind"``:
 
@@ -39,8 +39,9 @@ Limitations:
 1. A relay sink opens its own connection to the root (one per sink); sinks are per attempt.
 2. `fetch` of a spool reads the node's local copy: the tree's completion acknowledgement
    (the relay seal) is what says every node has it, and the spool's manifest notice follows it.
-3. A relay tree's manifest does not carry the base version: `sealed` of a spool returns
-   ``base_version=None`` (receivers still check every payload's base version when staging).
+3. A relay manifest from a sender that does not name the base version (``Manifest.base_version``
+   None) gives ``base_version=None`` in `sealed` of a spool (receivers still check every
+   payload's base version when staging).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class Seal:
 class SealedAttempt:
     """What a source read from an attempt's seal: every payload id it names, in listing order
     (duplicates kept, so a receiver can compare the count), and the base version (None where
-    the transport's seal does not carry it: a relay spool)."""
+    the seal did not name it: a relay manifest from a sender that does not say)."""
 
     version: int
     attempt: int

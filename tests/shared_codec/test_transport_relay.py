@@ -285,6 +285,7 @@ def test_messages_round_trip_and_malformed_input_is_refused() -> None:
         m.Payload(version=3, attempt=1, payload_id=ab),
         m.PayloadAck(payload_id=ab, ok=False, node="n0", error="bad"),
         m.Manifest(version=3, attempt=1, payload_ids=(ab, cd), timeout_s=5.0),
+        m.Manifest(version=3, attempt=1, payload_ids=(ab,), timeout_s=5.0, base_version=2),
         m.ManifestAck(version=3, attempt=1, complete=False, failed=("n2",), node="n0"),
         m.Abandon(version=3, attempt=1, reason="owners failed"),
         m.AbandonAck(version=3, attempt=1),
@@ -302,6 +303,16 @@ def test_messages_round_trip_and_malformed_input_is_refused() -> None:
         (b'{"type": "abandon", "version": "1", "attempt": 0, "reason": ""}', "must be int"),
         (b'{"type": "abandon", "version": -1, "attempt": 0, "reason": ""}', r"\[0, 2\*\*64\)"),
         (b'{"type": "manifest", "version": 1, "attempt": 0, "payload_ids": [1]}', "must be"),
+        (
+            b'{"type": "manifest", "version": 1, "attempt": 0, "payload_ids": [], '
+            b'"base_version": true}',
+            "'base_version' must be int",
+        ),
+        (
+            b'{"type": "manifest", "version": 1, "attempt": 0, "payload_ids": [], '
+            b'"base_version": -1}',
+            r"\[0, 2\*\*64\)",
+        ),
         (
             b'{"type": "payload_ack", "payload_id": "' + b"a" * 32 + b'", "ok": 1, "node": "n"}',
             "must be bool",
@@ -439,9 +450,10 @@ def test_relay_sink_and_spool_source_seam(tmp_path: Path) -> None:
             assert list(open_source({"kind": "spool", "root": str(d)}).fetch(1, 0)) == (
                 mine[0] + mine[1]
             )
-        sealed = leaf.sealed(1, 0, timeout_s=5)  # a relay manifest carries no base version
-        assert (sealed.version, sealed.attempt, sealed.base_version) == (1, 0, None)
-        assert sealed.payload_ids == ids
+        for d in tree.dirs:  # every node's notice names the seal's base version and ids
+            sealed = open_source({"kind": "spool", "root": str(d)}).sealed(1, 0, timeout_s=5)
+            assert (sealed.version, sealed.attempt, sealed.base_version) == (1, 0, 0)
+            assert sealed.payload_ids == ids
         for s in sinks.values():
             s.close()
         with open_sink(spec, version=2, attempt=0) as coordinator:

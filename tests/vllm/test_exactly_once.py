@@ -140,7 +140,10 @@ def test_missing_payload_is_refused_by_the_sealed_set() -> None:
     wrong = SealedSet.of(version=2, attempt=0, base_version=0, payload_ids=_ids(rx, payloads[:-1]))
     with pytest.raises(ProtocolError, match="sealed set is version 2"):
         rx.apply(0, expect=wrong)
-    assert rx.digest()["digest"] == digest0
+    stale = SealedSet.of(version=1, attempt=0, base_version=1, payload_ids=_ids(rx, payloads))
+    with pytest.raises(ProtocolError, match="sealed on base version 1; .* committed version is 0"):
+        rx.apply(0, expect=stale)
+    assert rx.digest()["digest"] == digest0 and rx.state == "clean"
 
 
 def test_split_xor_items_pass_and_overlapping_ones_do_not() -> None:

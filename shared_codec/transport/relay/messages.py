@@ -73,13 +73,16 @@ class PayloadAck:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
-    """Every payload id of (version, attempt); a node answers within `timeout_s`."""
+    """Every payload id of (version, attempt), and the committed version the attempt is a delta
+    on (`base_version`; None from a sender that does not say); a node answers within
+    `timeout_s`."""
 
     KIND: ClassVar[Kind] = Kind.MANIFEST
     version: int
     attempt: int
     payload_ids: tuple[str, ...]
     timeout_s: float = 30.0
+    base_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +181,7 @@ _CLASSES: dict[str, type] = {
 # JSON type accepted for each annotated field type (bool is not an int here)
 _CHECKS: dict[str, Any] = {
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
     "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
@@ -240,7 +244,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
             raise RelayMessageError(
                 f"relay {kind} message: {name!r} must be {f.type}, got {v!r:.80}"
             )
-        if str(f.type) == "int" and not 0 <= v < 1 << 64:
+        if str(f.type).startswith("int") and v is not None and not 0 <= v < 1 << 64:
             raise RelayMessageError(f"relay {kind} message: {name!r} must be in [0, 2**64)")
         if str(f.type) == "float" and not _seconds_ok(v):
             raise RelayMessageError(

@@ -100,13 +100,23 @@ class RelaySender:
             self._take_ack()
 
     def complete(
-        self, version: int, attempt: int, payload_ids: list[str], timeout_s: float = 30.0
+        self,
+        version: int,
+        attempt: int,
+        payload_ids: list[str],
+        timeout_s: float = 30.0,
+        base_version: int | None = None,
     ) -> ManifestAck:
-        """Send the attempt's manifest; returns the tree's completion acknowledgement, or raises
-        TransportError naming the failed nodes."""
+        """Send the attempt's manifest (with the base version it is a delta on, when given);
+        returns the tree's completion acknowledgement, or raises TransportError naming the
+        failed nodes."""
         self.flush()
         msg = Manifest(
-            version=version, attempt=attempt, payload_ids=tuple(payload_ids), timeout_s=timeout_s
+            version=version,
+            attempt=attempt,
+            payload_ids=tuple(payload_ids),
+            timeout_s=timeout_s,
+            base_version=base_version,
         )
         self.sock.send_multipart([encode(msg)])
         deadline = time.monotonic() + timeout_s + 5
@@ -205,7 +215,13 @@ class RelaySink:
         return SinkReport(payload_ids=tuple(self._ids), bytes=self._sender.bytes_sent)
 
     def seal(self, seal: Seal) -> None:
-        self.sender.complete(self.version, self.attempt, list(seal.payload_ids), self.timeout_s)
+        self.sender.complete(
+            self.version,
+            self.attempt,
+            list(seal.payload_ids),
+            self.timeout_s,
+            base_version=seal.base_version,
+        )
 
     def abandon(self, reason: str) -> None:
         self.sender.abandon(self.version, self.attempt, reason, timeout_s=self.timeout_s)

@@ -87,7 +87,12 @@ class SpoolWriter:
         return removed
 
     def on_manifest(self, m: Manifest) -> None:
-        body = {"version": m.version, "attempt": m.attempt, "payload_ids": list(m.payload_ids)}
+        body = {
+            "version": m.version,
+            "attempt": m.attempt,
+            "base_version": m.base_version,
+            "payload_ids": list(m.payload_ids),
+        }
         self._write(_marker("manifest", m.version, m.attempt), json.dumps(body).encode())
 
     def on_abandon(self, a: Abandon) -> None:
@@ -229,13 +234,16 @@ class SpoolSource:
         yield from payloads
 
     def sealed(self, version: int, attempt: int, timeout_s: float = 60.0) -> SealedAttempt:
-        """The payload ids of the node's manifest notice, in its order (waits for it); a relay
-        manifest carries no base version (None)."""
+        """The payload ids of the node's manifest notice, in its order, and the base version
+        the sealing party named (None when its manifest did not say); waits for the notice."""
         wait_manifest(self.directory, version, attempt, timeout_s)
         f = Path(self.directory) / _marker("manifest", version, attempt)
-        ids = json.loads(f.read_text())["payload_ids"]
+        notice = json.loads(f.read_text())
         return SealedAttempt(
-            version=version, attempt=attempt, base_version=None, payload_ids=tuple(ids)
+            version=version,
+            attempt=attempt,
+            base_version=notice.get("base_version"),
+            payload_ids=tuple(notice["payload_ids"]),
         )
 
     def stream(
