@@ -33,7 +33,8 @@ from vllm_dcr_plugin.transfer import reports
 pytestmark = pytest.mark.vllm
 
 VERSIONS = 8  # v0 and up to 7 refits (the async RL test retries up to 5 rounds, then one more)
-POSITIONS = 8192
+POSITIONS = 16384
+GATE_TOKENS = POSITIONS - 16  # the request-gate case's requests: as long as the engine allows
 LONG = 3000  # the async-RL request: long enough for a pause to land while it runs
 
 
@@ -42,7 +43,7 @@ class Server:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        # 8192 positions: a long completion holds state in the engine for seconds (the async
+        # 16384 positions: a long completion holds state in the engine for seconds (the async
         # RL test needs requests still running when the update or the pause arrives)
         self.versions = [
             write_tiny_model("qwen3", root / "v0", seed=0, max_position_embeddings=POSITIONS)
@@ -288,24 +289,25 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         transport=engine.coordinator.transport,
     )
     before = server.checksums()
-    # eight clients send long requests back to back, not streamed, until the refit returns
-    # (--max-num-seqs 1: one runs, the others wait in vLLM's scheduler, which hands the worker
-    # the next in the step that retires the last), so the worker holds request state for as long
-    # as the refit takes. On 2 cores a busy engine core was seen to take in new requests and
-    # utility calls (the refit's start / update) only at request boundaries, up to 85 s late:
-    # seven queued requests are minutes of engine time, and a fixed batch once ran dry first.
+    # eight clients send the longest requests the engine allows back to back, not streamed,
+    # until the refit returns (--max-num-seqs 1: one runs, the others wait in vLLM's scheduler,
+    # which hands the worker the next in the step that retires the last), so the worker holds
+    # request state for as long as the refit takes. On 2 cores a starved API server was seen
+    # to pass the refit's start / update calls, new requests and finished responses on up to
+    # 85 s late; the refit starts once all eight are in the engine (seven queued: minutes of
+    # engine time), and a fixed batch of four streamed 8000-token requests once ran dry first.
     done, stop = [], threading.Event()
 
     def client() -> None:
         while not stop.is_set():
-            _generate(server, 8000, threading.Event(), done, stream=False)
+            _generate(server, GATE_TOKENS, threading.Event(), done, stream=False)
 
     threads = [threading.Thread(target=client) for _ in range(8)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while (g := _gauges(server)).get("running", 0) < 1 or g.get("waiting", 0) < 1:
-        assert time.monotonic() < deadline, f"no request running and queued after 120 s: {g}"
+    while (g := _gauges(server)).get("running", 0) < 1 or g.get("waiting", 0) < len(threads) - 1:
+        assert time.monotonic() < deadline, f"the requests did not all reach the engine: {g}"
         time.sleep(0.05)
     t_seen = time.monotonic()
     try:
@@ -329,8 +331,8 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
         t.join(600)
     # the abort ended the running and the queued requests: each request ended either way
     finals = [(final["finish_reason"], len(tokens)) for tokens, final in done]
-    assert any(r == "abort" and n < 8000 for r, n in finals), finals
-    assert all(r == "abort" or (r == "length" and n == 8000) for r, n in finals), finals
+    assert any(r == "abort" and n < GATE_TOKENS for r, n in finals), finals
+    assert all(r == "abort" or (r == "length" and n == GATE_TOKENS) for r, n in finals), finals
     assert server.checksums() == before  # refused before any write
     assert server.weight_version() == "0"
 
