@@ -328,11 +328,12 @@ class ObjectFetcher:
         """Yield each payload of the attempt as soon as its object exists (listing the attempt's
         prefix every ``poll_s[0]`` s, backing off to ``poll_s[1]`` while nothing new appears;
         default: the store's own, `store.poll_interval`: 2-5 ms on a local directory, 10-50 ms
-        on S3), then, once the manifest is written, the listed payloads not yet yielded. Raises TransportError when a
-        yielded object is not listed by the manifest (the caller fails the attempt), when a
-        listed payload is missing or differs, when the attempt is abandoned, or at `timeout_s`
-        without a manifest. Objects are only ever seen whole (stores publish atomically).
-        `cancelled()` true ends the stream quietly at the next poll (its consumer gave up)."""
+        on S3), then, once the manifest is written, the listed payloads not yet yielded. Raises
+        TransportError when a yielded object is not listed by the manifest (the caller fails the
+        attempt), when a listed payload is missing or differs, when the attempt is abandoned, or
+        at `timeout_s` without a manifest. Objects are only ever seen whole (stores publish
+        atomically). `cancelled()` true ends the stream quietly at the next poll (its consumer
+        gave up)."""
         prefix = attempt_prefix(version, attempt)
         seen: dict[str, str] = {}  # key -> payload id (hex)
         first, cap = poll_interval(self.store) if poll_s is None else poll_s
