@@ -209,18 +209,16 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     assert dense_checksums(server, engine, 3) == after_v3
 
 
-def _generate(
-    server: Server, max_tokens: int, started: threading.Event, out: list, stream: bool = True
-) -> None:
-    """One greedy completion; appends (token ids, final choice) to `out`. Streamed, `started` is
-    set once the first tokens arrived; not streamed, the client sits in one blocking read (no
-    per-token work in this process) and `started` is not used."""
+def _generate(server: Server, max_tokens: int, started: threading.Event | None, out: list) -> None:
+    """One greedy completion; appends (token ids, final choice) to `out`. Streamed, with
+    `started` set once the first tokens arrived; without `started`, not streamed: the client
+    sits in one blocking read (no per-token work in this process)."""
     body = {
         "token_ids": [1, 2, 3, 4],
         "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
-        "stream": stream,
+        "stream": started is not None,
     }
-    if not stream:
+    if started is None:
         r = requests.post(server.url + "/inference/v1/generate", json=body, timeout=600)
         r.raise_for_status()
         (choice,) = r.json()["choices"]
@@ -300,7 +298,7 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
 
     def client() -> None:
         while not stop.is_set():
-            _generate(server, GATE_TOKENS, threading.Event(), done, stream=False)
+            _generate(server, GATE_TOKENS, None, done)
 
     threads = [threading.Thread(target=client) for _ in range(8)]
     for t in threads:
