@@ -230,7 +230,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         out["receivers"] = {u: {"digest": d} for u, d in digests.items()}
         if args.store:
             from shared_codec.coordination.commit import CommitLog
-            from shared_codec.transport.store import open_store
+            from shared_codec.transport.spec import open_store
 
             rec = CommitLog(open_store(args.store)).current()
             if rec is None:

@@ -60,7 +60,7 @@ from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError
-from shared_codec.transport.store import open_store
+from shared_codec.transport.spec import open_store
 from vllm_dcr_plugin import faults
 
 PROMPTS = [
@@ -303,18 +303,20 @@ class Demo:
             res = self.coord.refit()
             self.coord.wait_retention()  # (background after the commit; the report counts it)
             last = res.attempts[-1]
+            built, ack = last.owners, last.acks.get("rollout")
+            assert built is not None  # a committed attempt was built
             row.update(
                 {
                     "attempts": len(res.attempts),
                     "killed": killed,
-                    "element_change_rate": last.owners.get("element_change_rate", 0.0),
-                    "payloads": last.owners.get("payloads", 0),
-                    "payload_bytes": last.owners.get("payload_bytes", 0),
-                    "construct_s": last.owners.get("build_s", 0.0),
-                    "publish_s": last.seconds.get("build", 0.0) - last.owners.get("build_s", 0.0),
+                    "element_change_rate": built.element_change_rate,
+                    "payloads": built.payloads,
+                    "payload_bytes": built.payload_bytes,
+                    "construct_s": built.build_s,
+                    "publish_s": last.seconds.get("build", 0.0) - built.build_s,
                     "transport_apply_s": last.seconds.get("apply", 0.0),
-                    "fetch_s": last.acks.get("rollout", {}).get("fetch_s", 0.0),
-                    "apply_s": last.acks.get("rollout", {}).get("apply_s", 0.0),
+                    "fetch_s": ack.fetch_s if ack is not None else 0.0,
+                    "apply_s": ack.apply_s if ack is not None else 0.0,
                     "commit_s": last.seconds.get("commit", 0.0),
                     "failed_attempts": [a.failed for a in res.attempts[:-1]],
                 }

@@ -67,7 +67,7 @@ log = logging.getLogger("dcr.callback")
 class ServiceSpec:
     """Serve the owner service after every successful step (module docstring, 2).
 
-    `transport`: the payload sink spec every rank sends to (`shared_codec.transport.seam`);
+    `transport`: the payload sink spec every rank sends to (`shared_codec.transport.spec`);
     `endpoint`: rank 0's ZeroMQ REP address; `handlers`: extra ops, ``name -> fn(request) ->
     dict``, run on every rank (e.g. ``export`` for dense references)."""
 

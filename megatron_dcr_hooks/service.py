@@ -9,7 +9,7 @@ every rank runs it collectively, and rank 0 replies ``{"ok": true, ...}`` or
 
 Built-in ops:
 - ``build`` {version, attempt, retry}: ``hook.build`` with each rank's payloads sent into its
-  payload sink (`shared_codec.transport.seam.open_sink` on the service's transport spec, owner
+  payload sink (`TransportSpec.open_sink` on the service's transport spec, owner
   id = global rank); after every rank finished its sink, rank 0 seals the attempt (manifest or
   relay-tree completion). Reply: ``baseline_id``, summed payload bytes and count, element
   change rate, slowest build seconds.
@@ -55,7 +55,8 @@ import torch.distributed as dist
 from megatron_dcr_hooks.groups import RankGroup
 from megatron_dcr_hooks.hook import DCRHook
 from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
-from shared_codec.transport.seam import SINK_KINDS, Seal, open_sink, parse_spec
+from shared_codec.transport.base import Seal
+from shared_codec.transport.spec import Role, TransportSpec
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -101,10 +102,10 @@ class OwnerService:
         handlers: dict[str, Handler] | None = None,
     ) -> None:
         """`transport`: the sink spec every rank sends its payloads to
-        (`shared_codec.transport.seam`: kinds dir, s3, relay); `endpoint`: rank 0's REP
+        (`shared_codec.transport.spec`: kinds dir, s3, relay); `endpoint`: rank 0's REP
         address; `handlers`: user ops."""
         self.hook = hook
-        self.transport = parse_spec(transport, SINK_KINDS)
+        self.transport = TransportSpec.parse(transport, role=Role.SINK)
         self.endpoint = endpoint
         self.handlers = dict(handlers or {})
         self.groups = hook.groups
@@ -130,7 +131,7 @@ class OwnerService:
         retry = bool(req.get("retry", False))
         base = self.hook.committed_version
         error, rep, report = "", None, None
-        with open_sink(self.transport, version=version, attempt=attempt, owner=self.rank) as sink:
+        with self.transport.open_sink(version=version, attempt=attempt, owner=self.rank) as sink:
             try:
                 rep = self.hook.build(version, attempt, retry=retry, sink=sink.send)
                 report = sink.finish()

@@ -40,6 +40,12 @@ class ProtocolError(DCRError):
     """
 
 
+class ArgumentError(ProtocolError, ValueError):
+    """An argument of a DCR entry point was refused (a version that is not the next one, a
+    value out of range); the message names it. Also a ValueError, the user error. State left
+    behind: nothing changed."""
+
+
 class LoaderConditionError(DCRError):
     """The serving runtime's loader path cannot be used for exact in-place application.
 
@@ -109,3 +115,15 @@ class CandidateChanged(OwnerBuildError):
     applied the attempt are dirty until a later attempt or a dense load repairs them. Build the
     version again from the current weights (a new attempt 0) once the trainer holds still.
     """
+
+
+def error_class(name: str) -> type[DCRError]:
+    """The class of the DCR error tree named `name` (how a typed error reply names its
+    exception across a process boundary); `DCRError` for any other name."""
+    todo: list[type[DCRError]] = [DCRError]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return DCRError

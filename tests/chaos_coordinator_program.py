@@ -34,7 +34,7 @@ from shared_codec.coordination.commit import CommitLog, CommitRecord
 from shared_codec.coordination.coordinator import AttemptResult, Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
-from shared_codec.transport.store import open_store
+from shared_codec.transport.spec import open_store
 
 STEPS = ("after_prepare", "during_apply", "after_acks", "after_cas", "during_owner_commit")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from shared_codec.errors import ProtocolError
 from shared_codec.format import MAX_KEY_SIZE
+from shared_codec.transport.spec import Role, TransportSpec
 
 ARG_ERRORS = (ValueError, TypeError, KeyError)
 #: versions and attempts are unsigned 64-bit fields of the payload header (docs/format.md)
@@ -76,15 +77,6 @@ def seconds(v: Any, what: str) -> float:
     return t
 
 
-SPEC_KEYS = {"dir": ("root",), "spool": ("root",), "s3": ("bucket",)}
-#: optional keys per kind (shared_codec.transport.store.open_store reads them)
-SPEC_OPTIONAL = {
-    "dir": ("bandwidth_bytes_per_s",),
-    "spool": (),
-    "s3": ("endpoint_url", "prefix", "region", "bandwidth_bytes_per_s"),
-}
-
-
 def json_object(v: Any, what: str) -> Any:
     """`v`, or the value of its JSON text (vLLM's HTTP routes may deliver objects as text)."""
     if not isinstance(v, str):
@@ -95,29 +87,10 @@ def json_object(v: Any, what: str) -> Any:
         raise ValueError(f"{what} is not valid JSON: {e}") from None
 
 
-def store_spec(v: Any, what: str = "store", kinds: tuple[str, ...] = tuple(SPEC_KEYS)) -> dict:
-    """A store spec (dict or its JSON text) of one of `kinds`, with its required fields and no
-    key `open_store` / the spool source would not read."""
-    spec = json_object(v, what)
-    if not isinstance(spec, dict):
-        raise TypeError(f"{what} must be a store spec (a JSON object), got {type(spec).__name__}")
-    kind = spec.get("kind")
-    if kind not in kinds:
-        raise ValueError(f"{what}: store spec kind must be one of {sorted(kinds)}, got {kind!r}")
-    for key in SPEC_KEYS[kind]:
-        if not isinstance(spec.get(key), str) or not spec[key]:
-            raise KeyError(f"{what}: a {kind!r} store spec needs a non-empty string {key!r}")
-    unknown = set(spec) - {"kind", *SPEC_KEYS[kind], *SPEC_OPTIONAL[kind]}
-    if unknown:
-        raise ValueError(f"{what}: unknown key(s) {sorted(map(str, unknown))} in a {kind!r} spec")
-    for key in ("prefix", "region"):
-        if key in spec and not isinstance(spec[key], str):
-            raise TypeError(f"{what}.{key} must be a string, got {type(spec[key]).__name__}")
-    if spec.get("endpoint_url") is not None and not isinstance(spec["endpoint_url"], str):
-        raise TypeError(f"{what}.endpoint_url must be a string or null")
-    if spec.get("bandwidth_bytes_per_s"):  # 0 / null: unthrottled
-        seconds(spec["bandwidth_bytes_per_s"], f"{what}.bandwidth_bytes_per_s")
-    return dict(spec)
+def transport_spec(v: Any, what: str = "store", role: Role = Role.SOURCE) -> TransportSpec:
+    """A transport spec (a `TransportSpec`, a JSON object or its text) whose kind plays `role`:
+    `TransportSpec.parse` (kind, required fields, no unknown key, field types)."""
+    return TransportSpec.parse(v, role=role, what=what)
 
 
 def apply_opts(v: Any) -> dict[str, Any] | None:

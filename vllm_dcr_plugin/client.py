@@ -20,87 +20,40 @@ overwrites (docs/operations.md, failure playbook).
 Limitations:
 1. A call that missed its deadline keeps its helper thread (a daemon) until vLLM returns, if
    ever; the engine is unusable by then.
+2. This is the orchestrator's helper; a coordinator drives an in-process engine through
+   `shared_codec.coordination.engines.InProcessEngine` (the same channel).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from shared_codec.errors import DCRError, EngineUnreachable
-
-T = TypeVar("T")
+from shared_codec.coordination.engines import InProcessChannel
+from shared_codec.errors import DCRError
 
 
 class DCRClient:
-    """Calls dcr_ RPCs on every rank of one engine and checks the replies."""
+    """Calls dcr_ RPCs on every rank of one engine and checks the replies (module docstring);
+    the calls go through an `InProcessChannel`, the coordinator's in-process channel."""
 
     def __init__(self, engine: Any, *, timeout_s: float = 600.0) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.channel = InProcessChannel(engine, timeout_s=timeout_s)
         self.engine = engine
-        self.timeout_s = float(timeout_s)
-        self.dead: str | None = None  # why the engine is dead to this client
+        self.timeout_s = self.channel.timeout_s
 
-    def _bounded(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
-        """`fn()` on a helper thread, waited for at most `timeout_s`: its result, or its error
-        as raised; `EngineUnreachable` when it did not return in time or the engine failed."""
-        if self.dead is not None:
-            raise EngineUnreachable(f"{what}: the engine is dead to this client ({self.dead})")
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # handed to the caller below
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"dcr-client-{what}", daemon=True).start()
-        if not done.wait(timeout_s):
-            self.dead = f"{what} did not return within {timeout_s:.0f}s"
-            raise EngineUnreachable(
-                f"{what}: no answer within {timeout_s:.0f}s (a worker or the engine core is "
-                "dead or hung); restart the engine and retry with overwrites"
-            )
-        err = box.get("error")
-        if err is None:
-            return box["value"]  # type: ignore[no-any-return]
-        if isinstance(err, DCRError | ValueError | TypeError):
-            raise err  # an answer: the engine is alive
-        # vLLM's failures of a dead worker or engine core: EngineDeadError, "Executor
-        # failed", "Call to collective_rpc method failed: cancelled", TimeoutError
-        self.dead = f"{what} failed: {type(err).__name__}: {err}"
-        raise EngineUnreachable(
-            f"{what}: the engine failed ({type(err).__name__}: {err}); restart the engine "
-            "and retry with overwrites"
-        ) from err
-
-    def _rpc(self, method: str, args: tuple, kwargs: dict | None, deadline_s: float | None) -> Any:
-        timeout = self.timeout_s if deadline_s is None else float(deadline_s)
-        return self._bounded(
-            method,
-            lambda: self.engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs),
-            timeout + 5.0,  # vLLM's own timeout first, when it works
-        )
-
-    def _reset_prefix_cache(self) -> None:
-        self._bounded("reset_prefix_cache", self.engine.reset_prefix_cache, self.timeout_s)
+    @property
+    def dead(self) -> str | None:
+        """Why the engine is dead to this client (None while it is not)."""
+        return self.channel.out_of_step or None
 
     def call(
         self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any
     ) -> list[dict[str, Any]]:
         """Run `method` on every rank (`args`, `kwargs`: the RPC's) within `deadline_s` (the
         client's `timeout_s` by default); raise DCRError naming the failing ranks."""
-        replies = self._rpc(method, args, kwargs or None, deadline_s)
-        failed = [r for r in replies if not r.get("ok", False)]
-        if failed:
-            detail = "; ".join(f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
-            raise DCRError(f"{method} failed on {len(failed)}/{len(replies)} ranks: {detail}")
-        return replies  # type: ignore[no-any-return]
+        timeout = self.timeout_s if deadline_s is None else float(deadline_s)
+        replies = self.channel.call_ok(method, args, timeout, kwargs or None)
+        return [r.to_wire() for r in replies]
 
     def prewarm(self, tensors: list, committed_version: int = 0) -> list[dict[str, Any]]:
         return self.call("dcr_prewarm", tensors, committed_version)
@@ -135,18 +88,18 @@ class DCRClient:
         kwargs: dict[str, Any] = {"verify": verify}
         if expect is not None:
             kwargs["expect"] = expect
+        timeout = self.timeout_s if deadline_s is None else float(deadline_s)
         try:
-            acks = self._rpc("dcr_apply", (attempt,), kwargs, deadline_s)
+            acks = self.channel.call("dcr_apply", (attempt,), timeout, kwargs)
         finally:
-            if self.dead is None:
-                self._reset_prefix_cache()
-        bad = [a for a in acks if not a.get("ok")]
+            self.channel.reset_prefix_cache()
+        bad = [a for a in acks if not a.ok]
         if bad:
             raise DCRError(
                 f"dcr_apply attempt {attempt} failed: "
-                + "; ".join(f"rank {a.get('rank')}: {a.get('error')}" for a in bad)
+                + "; ".join(f"rank {a.rank}: {a.error}" for a in bad)
             )
-        return acks  # type: ignore[no-any-return]
+        return [a.to_wire() for a in acks]
 
     def commit(self, version: int) -> list[dict[str, Any]]:
         return self.call("dcr_commit", version)
@@ -158,8 +111,7 @@ class DCRClient:
         try:
             return self.call("dcr_dense_load", path, version)
         finally:
-            if self.dead is None:
-                self._reset_prefix_cache()
+            self.channel.reset_prefix_cache()
 
     def digests(self) -> list[str]:
-        return [r["digest"] for r in self.call("dcr_digest")]
+        return [d.digest for d in self.channel.digests()]

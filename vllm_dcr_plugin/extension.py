@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from shared_codec.coordination.protocol import PROTOCOL_VERSION
 from shared_codec.errors import DCRError, ProtocolError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
 from vllm_dcr_plugin import worker as dcr_worker
@@ -43,7 +44,7 @@ from vllm_dcr_plugin.arguments import integer as _int
 from vllm_dcr_plugin.arguments import json_object as _json
 from vllm_dcr_plugin.arguments import payloads as _payloads
 from vllm_dcr_plugin.arguments import seconds as _seconds
-from vllm_dcr_plugin.arguments import store_spec as _store_spec
+from vllm_dcr_plugin.arguments import transport_spec as _transport_spec
 from vllm_dcr_plugin.placement import MODES
 from vllm_dcr_plugin.staging import SealedSet, tensor_specs
 
@@ -95,6 +96,7 @@ def _rpc(fn: F) -> F:
                 "rank": int(rank),
                 "error": f"{type(e).__name__}: {e}",
                 "rpc": fn.__name__,
+                "protocol": PROTOCOL_VERSION,
             }
         except Exception as e:
             rank = getattr(self, "rank", 0)
@@ -104,10 +106,12 @@ def _rpc(fn: F) -> F:
                 "rank": int(rank),
                 "error": f"{type(e).__name__}: {e}",
                 "rpc": fn.__name__,
+                "protocol": PROTOCOL_VERSION,
                 "internal": True,
             }
         out.setdefault("ok", True)
         out["rpc"] = fn.__name__
+        out["protocol"] = PROTOCOL_VERSION
         return out
 
     return wrapper  # type: ignore[return-value]
@@ -188,7 +192,7 @@ class DCRWorkerExtension:
         are fetched as they appear and each is applied once staged; the attempt's ACK is
         returned under ``"ack"``."""
         with _arguments("dcr_fetch"):
-            spec = _store_spec(store, "store")
+            spec = _transport_spec(store, "store")
             args = (_int(version, "version"), _int(attempt, "attempt"))
             timeout = _seconds(timeout_s, "timeout_s")
             opts = _apply_opts(apply)

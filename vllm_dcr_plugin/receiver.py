@@ -15,7 +15,6 @@ Limitations:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -26,12 +25,13 @@ import torch
 
 from shared_codec import FORMAT_VERSION
 from shared_codec.checkpoint import combined_digest, iter_checkpoint, tensor_digest
+from shared_codec.coordination.protocol import RankAck
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
 from vllm_dcr_plugin import derived, faults
-from vllm_dcr_plugin.ack import Ack, Tally
+from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.apply import PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
@@ -81,7 +81,7 @@ class Receiver:
         self.state = _S.CLEAN
         self.applying_attempt: int | None = None  # the attempt of state "applying"
         self.target_version: int | None = None
-        self.last_ack: Ack | None = None
+        self.last_ack: RankAck | None = None
         self.metrics = ReceiverMetrics(int(rank.get("rank", 0)))
         # canonical tensor -> the post-load units that re-derive what it feeds (derived.py)
         self.rederive_units: dict[str, set[derived.Unit]] = {}
@@ -279,7 +279,7 @@ class Receiver:
 
     def fetch(
         self,
-        store_spec: str | dict[str, Any],
+        store_spec: Any,
         version: int,
         attempt: int,
         timeout_s: float = 60.0,
@@ -302,15 +302,14 @@ class Receiver:
         does a final set that is not the sealed set (checked before the closing apply)."""
         self._require_prewarm()
         t0 = time.perf_counter()
-        spec = json.loads(store_spec) if isinstance(store_spec, str) else dict(store_spec)
         version, attempt, pipelined = int(version), int(attempt), apply is not None
-        source = payload_source(spec, key=self.staging.key)
+        source = payload_source(store_spec, key=self.staging.key)
         # not pipelined: the seal first, so the set to apply is known before anything is staged
         sealed = None if pipelined else sealed_set(source, version, attempt, float(timeout_s))
         payloads = attempt_payloads(source, version, attempt, float(timeout_s), streaming=pipelined)
         armed = faults.take(self._rank, "pipelined" if pipelined else "fetch")
         out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
-        acks: list[Ack] = []
+        acks: list[RankAck] = []
         verify = bool((apply or {}).get("verify", False))
         arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)
 
@@ -360,7 +359,7 @@ class Receiver:
         out["rank"] = self.rank.get("rank", 0)
         self.metrics.fetch_seconds.observe(out["seconds"])
         if pipelined:
-            out["ack"] = Ack.merge(acks).to_dict()
+            out["ack"] = RankAck.merge(acks).to_wire()
         return out
 
     def apply(
@@ -374,7 +373,7 @@ class Receiver:
         and the seal a fetch recorded: ids, count, version and base version; staging.py). A
         failure part-way leaves the receiver ``dirty``."""
         armed = faults.take(self._rank, "apply")
-        return self._metered(int(attempt), bool(verify), armed, final=True, expect=expect).to_dict()
+        return self._metered(int(attempt), bool(verify), armed, final=True, expect=expect).to_wire()
 
     def _metered(
         self,
@@ -384,10 +383,10 @@ class Receiver:
         final: bool,
         expect: SealedSet | None = None,
         checks: PlanChecks | None = None,
-    ) -> Ack:
+    ) -> RankAck:
         t0 = time.perf_counter()
         ack = self._apply(attempt, verify, armed, final, expect, checks)
-        self.metrics.applied(ack.to_dict(), time.perf_counter() - t0)
+        self.metrics.applied(ack.to_wire(), time.perf_counter() - t0)
         self.last_ack = ack
         return ack
 
@@ -399,7 +398,7 @@ class Receiver:
         final: bool,
         expect: SealedSet | None = None,
         checks: PlanChecks | None = None,
-    ) -> Ack:
+    ) -> RankAck:
         """See `apply`. ``final=False`` (pipelined fetch): more payloads of the attempt may
         follow; the receiver is then ``applying`` instead of ``applied`` (a recorded seal then
         refuses only payloads beyond it). `checks`: the plan state of the fetch's earlier parts

@@ -1,7 +1,8 @@
 """Where a rank's payloads of one attempt come from: an object store or a relay node's spool.
 
-Contract: `payload_source(spec, key=...)` opens the transport seam's payload source
-(`shared_codec.transport.open_source`: ``dir``, ``s3`` or a relay node's ``spool``);
+Contract: `payload_source(spec, key=...)` opens the transport's payload source
+(`shared_codec.transport.TransportSpec.open_source`: ``dir``, ``s3`` or a relay node's
+``spool``);
 `attempt_payloads(source, version, attempt, timeout_s, streaming=...)` returns an iterable of
 payload bytes for the attempt. Not streaming: every payload of the attempt's seal (manifest, or
 the node's manifest notice), waiting up to `timeout_s` for it. Streaming (pipelined fetch):
@@ -10,7 +11,7 @@ payloads as their objects or spool files appear, before the seal, read by a back
 whether the next payload has already arrived. `sealed_set(source, ...)`
 is the set the seal names, as staging's `SealedSet` (the receiver applies exactly that set).
 
-A spec that `open_source` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
+A spec that `TransportSpec.parse` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
 validates specs before that (extension.py).
 """
 
@@ -25,17 +26,19 @@ from shared_codec.errors import ProtocolError
 from vllm_dcr_plugin.staging import SealedSet
 
 if TYPE_CHECKING:
-    from shared_codec.transport.seam import PayloadSource
+    from shared_codec.transport.base import PayloadSource
 
 
-def payload_source(spec: dict[str, Any], *, key: bytes | None) -> PayloadSource:
-    """The seam's source for `spec`; `ProtocolError` for a spec it refuses (nothing fetched)."""
-    from shared_codec.transport.seam import open_source
+def payload_source(spec: Any, *, key: bytes | None) -> PayloadSource:
+    """The source `spec` (a `TransportSpec` or its plain form) names; `ProtocolError` for a
+    spec it refuses (nothing fetched)."""
+    from shared_codec.transport.spec import Role, TransportSpec
 
     try:
-        return open_source(spec, key=key)
-    except (ValueError, TypeError, KeyError) as e:  # a bad spec: nothing was fetched
+        parsed = TransportSpec.parse(spec, role=Role.SOURCE, what="store")
+    except (ValueError, TypeError) as e:  # a bad spec: nothing was fetched
         raise ProtocolError(f"bad store spec: {type(e).__name__}: {e}") from None
+    return parsed.open_source(key=key)
 
 
 def sealed_set(source: PayloadSource, version: int, attempt: int, timeout_s: float) -> SealedSet:

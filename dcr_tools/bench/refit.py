@@ -504,7 +504,9 @@ def _one(
     acked = [r.at - t0 for r in receivers]
     last = res.attempts[-1]
     acks = list(last.acks.values())
-    construct = float(last.owners["build_s"])
+    built = last.owners
+    assert built is not None  # a committed attempt was built
+    construct = built.build_s
     build = last.seconds["build"]
     upload_tail = build - construct
     after_build = last.seconds["apply"]  # end of the build -> every ACK and the guard's answer
@@ -521,7 +523,7 @@ def _one(
     parts = max(int(rk.get("pipelined_parts", 1)) for rk in ranks)
     verify = last.seconds.get("verify", 0.0)
     commit = last.seconds.get("commit", 0.0)
-    payload = int(last.owners["payload_bytes"])
+    payload = built.payload_bytes
     # the reference moves this version's checkpoint; its dense load must not change a bit of
     # what DCR applied (checked), and leaves the engine at the committed version
     vpath = ckpts / f"v{res.version}"
@@ -537,7 +539,7 @@ def _one(
         "rate": f"{round(rate * 100)}%",
         "mode": mode,
         "version": res.version,
-        "element_change_rate": last.owners.get("element_change_rate", 0.0),
+        "element_change_rate": built.element_change_rate,
         "dcr_s": total,
         "construct_s": construct,
         "upload_tail_s": upload_tail,
@@ -554,7 +556,7 @@ def _one(
         "retain_s": coord.last_retention.get("seconds", 0.0),
         "commit_owners_s": last.seconds.get("commit_owners", 0.0),
         "commit_engines_s": last.seconds.get("commit_engines", 0.0),
-        "guard": last.owners.get("guard", ""),
+        "guard": last.guard,
         "engine_ack_s": acked,
         "fleet_critical_s": fleet_critical(acked),
         "transport_share": transport / total,

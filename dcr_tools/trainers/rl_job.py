@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if bool(args.store) == bool(args.relay):
         raise SystemExit("rl_trainer: give exactly one of --store SPEC and --relay ADDRESS")
-    # one sink spec either way (shared_codec.transport.seam): a store, or the relay tree's root
+    # one sink spec either way (shared_codec.transport.spec): a store, or the relay tree's root
     transport = args.store or {"kind": "relay", "root": args.relay}
     service = OwnerService(hook, transport, args.endpoint, handlers)
     service.serve()

@@ -18,8 +18,8 @@ out to every trainer rank / every engine rank behind them):
    `transport` spec): the engines' apply calls start together with ``owners.build``, so
    engines fetch and apply payload l while owners still build l + 1 (the paper's Figure 8);
    if the build fails, the coordinator abandons the attempt through a sink of that transport
-   (`seam.open_sink(...).abandon`: a marker in the store, or an abandon message down the relay
-   tree) so waiting engines stop at once (their partial applies make them dirty; the fence and
+   (`TransportSpec.open_sink(...).abandon`: a marker in the store, or an abandon message down
+   the relay tree) so waiting engines stop at once (their partial applies make them dirty; the fence and
    the overwrite retry repair that).
 4. Joint commit: only when every required engine ACKed ok and the owners' candidate guard
    (``owners.verify``: the trainer's weights still are what the attempt was built from; it
@@ -28,12 +28,11 @@ out to every trainer rank / every engine rank behind them):
    per-engine digests). Then engines and owners are told to commit (owners advance their
    baselines in place to the built candidate, which is what the engines hold: a trainer step
    after the guard is not lost, the next version ships it).
-5. Retention (`retain`, on a background thread once the commit notifications are out, so
+5. Retention (retention.py, on a background thread once the commit notifications are out, so
    deleting objects is never part of a refit's latency; the next `refit`, `resume` or
-   `initialize` waits for it first, and `wait_retention` does on demand): payloads
-   (object-store objects, or relay spools and delivered sets through the tree's ``Forget``),
-   attempt records and engine reports of versions older than the newest ``keep_versions``
-   committed ones are removed; commit records stay.
+   `initialize` waits for it first, and `wait_retention` does on demand): payloads, attempt
+   records and engine reports of versions older than the newest ``keep_versions`` committed
+   ones are removed; commit records stay.
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
@@ -63,8 +62,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -73,27 +70,27 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
-from shared_codec.errors import CandidateChanged, DCRError, RefitFailed
-from shared_codec.transport.seam import SINK_KINDS, forget, open_sink, parse_spec
-from shared_codec.transport.store import ObjectStore
+from shared_codec.coordination.protocol import BuildReply, EngineAck, VerifyReply
+from shared_codec.coordination.retention import ATTEMPTS, Retention
+from shared_codec.errors import ArgumentError, CandidateChanged, DCRError, RefitFailed
+from shared_codec.transport.base import ObjectStore
+from shared_codec.transport.spec import Role, TransportSpec
 
-ATTEMPTS = "attempts/"
 _log = logging.getLogger("dcr.coordinator")
 
 
 class Owners(Protocol):
     """The owner group (every trainer rank). Implementations: `megatron_dcr_hooks.service`."""
 
-    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
-        """Construct and publish attempt `attempt` of `version` (payloads, then manifest).
-        Returns at least ``baseline_id`` plus whatever the owners report (bytes, times)."""
+    def build(self, version: int, attempt: int, retry: bool) -> BuildReply | Mapping[str, Any]:
+        """Construct and publish attempt `attempt` of `version` (payloads, then manifest):
+        the `BuildReply` (or its plain object, checked by the coordinator)."""
         ...
 
-    def verify(self, version: int) -> Mapping[str, Any] | None:
+    def verify(self, version: int) -> VerifyReply | Mapping[str, Any] | None:
         """The candidate guard: raise `CandidateChanged` if the trainer's weights moved since
-        `version` was built (called before the compare-and-set). May return what the owners
-        report (the owner service: ``guard``, "scanned" or "held"; kept in the attempt's
-        ``owners`` reply as ``guard``)."""
+        `version` was built (called before the compare-and-set). May return the `VerifyReply`
+        (the owner service: its ``guard``, kept as the attempt's `AttemptResult.guard`)."""
         ...
 
     def commit(self, version: int) -> None: ...
@@ -102,12 +99,14 @@ class Owners(Protocol):
 
 
 class Engine(Protocol):
-    """One rollout engine (all its ranks). Implementations: `shared_codec.coordination.engines`."""
+    """One rollout engine (all its ranks). Implementation: `handle.EngineHandle` over a channel
+    (`engines.HttpEngine`, `RayEngine`, `InProcessEngine`, the native backend's `NativeEngine`)."""
 
     name: str
 
-    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        """Deliver (fetch or receive, then stage) and apply the attempt; returns the ACK."""
+    def apply(self, version: int, attempt: int, timeout_s: float) -> EngineAck | Mapping[str, Any]:
+        """Deliver (fetch or receive, then stage) and apply the attempt: the `EngineAck` (or
+        its plain object, checked by the coordinator)."""
         ...
 
     def commit(self, version: int) -> None: ...
@@ -139,11 +138,15 @@ class CoordinatorConfig:
 
 @dataclass
 class AttemptResult:
+    """One attempt: what the owners built (`owners`, None when the build failed) and how the
+    guard answered (`guard`), every engine's checked ACK, what failed and why."""
+
     attempt: int
     retry: bool
     ok: bool
-    owners: dict[str, Any] = field(default_factory=dict)
-    acks: dict[str, Any] = field(default_factory=dict)
+    owners: BuildReply | None = None
+    guard: str = ""
+    acks: dict[str, EngineAck] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)  # raised or missed the deadline
     seconds: dict[str, float] = field(default_factory=dict)
@@ -161,10 +164,6 @@ class RefitResult:
     @property
     def retries(self) -> int:
         return len(self.attempts) - 1
-
-
-# the version segment of a payload, attempt record or report key ("v<12 digits>/")
-_VERSION_IN_KEY = re.compile(r"(?:^|/)v(\d{12})/")
 
 
 _NO_RECORD = (
@@ -188,10 +187,10 @@ class Coordinator:
         engines: list[Engine],
         config: CoordinatorConfig | None = None,
         log: Callable[[str], None] | None = None,
-        transport: str | Mapping[str, Any] | None = None,
+        transport: TransportSpec | str | Mapping[str, Any] | None = None,
     ) -> None:
         """`control`: where the commit and attempt records live. `transport`: the sink spec the
-        owners send payloads to (`shared_codec.transport.seam`: kinds dir, s3, relay - the
+        owners send payloads to (`shared_codec.transport.spec`: kinds dir, s3, relay - the
         same spec the owner service is given); with it the coordinator can abandon an attempt
         (waiting engines stop at once), which pipelining needs."""
         names = [r.name for r in engines]
@@ -203,41 +202,30 @@ class Coordinator:
         self.engines = list(engines)
         self.config = config or CoordinatorConfig()
         self.log = log or _log.info
-        self.transport = None if transport is None else parse_spec(transport, SINK_KINDS)
-        self._retention: threading.Thread | None = None
-        #: the last retention pass: committed version, seconds, what it removed
-        self.last_retention: dict[str, Any] = {}
+        self.transport = (
+            None if transport is None else TransportSpec.parse(transport, role=Role.SINK)
+        )
+        self.retention = Retention(control, self.transport, self.config.keep_versions, self.log)
+
+    @property
+    def last_retention(self) -> dict[str, Any]:
+        """The last retention pass: committed version, seconds, what it removed."""
+        return self.retention.last
 
     def wait_retention(self, timeout_s: float | None = None) -> bool:
         """Wait for the retention pass the last commit started (module docstring, step 5);
         True once none is running."""
-        t = self._retention
-        if t is not None:
-            t.join(timeout_s)
-            if t.is_alive():
-                return False
-            self._retention = None
-        return True
+        return self.retention.wait(timeout_s)
 
-    def _retain_in_background(self, committed: int) -> None:
-        def run() -> None:
-            t0 = time.perf_counter()
-            removed = self.retain(committed)  # never raises: errors are logged
-            self.last_retention = {
-                "committed": committed,
-                "seconds": time.perf_counter() - t0,
-                "removed": removed,
-            }
-
-        self.wait_retention()
-        self._retention = threading.Thread(target=run, name="dcr-retention", daemon=True)
-        self._retention.start()
+    def retain(self, committed: int) -> dict[str, int]:
+        """One retention pass after the commit of `committed` (`Retention.run`)."""
+        return self.retention.run(committed)
 
     def abandon(self, version: int, attempt: int, reason: str) -> None:
         """Tell every source of (`version`, `attempt`) that it was given up (needs `transport`)."""
         if self.transport is None:
             raise ValueError("abandoning an attempt needs the coordinator's transport spec")
-        with open_sink(self.transport, version=version, attempt=attempt) as sink:
+        with self.transport.open_sink(version=version, attempt=attempt) as sink:
             sink.abandon(reason)
 
     # -- state from the control store ---------------------------------------------------------
@@ -290,7 +278,10 @@ class Coordinator:
         """Reserve the next attempt id of `version`; returns (attempt, retry)."""
         committed = self.committed_version()
         if version != committed + 1:
-            raise ValueError(f"cannot refit version {version}: committed version is {committed}")
+            raise ArgumentError(
+                f"version: cannot refit version {version}: the committed version is "
+                f"{committed}, so the next one is {committed + 1}"
+            )
         attempt = max(self.attempts_of(version), default=-1) + 1
         while True:
             intent = {"version": version, "attempt": attempt, "time": time.time()}
@@ -321,7 +312,7 @@ class Coordinator:
                 t0 = time.perf_counter()
                 record = self._commit(version, committed, res)
                 res.seconds["commit"] = time.perf_counter() - t0
-                self._retain_in_background(version)
+                self.retention.start(version)
                 return RefitResult(version=version, record=record, attempts=attempts)
             if res.candidate_changed:  # retries cannot help: every engine back to committed
                 res.unreachable.update(r.name for r in self.engines)
@@ -356,7 +347,7 @@ class Coordinator:
         if pipelined:
             open_apply()
         try:
-            res.owners = self.owners.build(version, attempt, retry)
+            res.owners = BuildReply.parse(self.owners.build(version, attempt, retry))
         except Exception as e:
             res.failed["owners"] = f"{type(e).__name__}: {e}"
             res.candidate_changed = isinstance(e, CandidateChanged)
@@ -384,40 +375,12 @@ class Coordinator:
             self.log(f"version {version} attempt {attempt} failed: {res.failed}")
         return res
 
-    def retain(self, committed: int) -> dict[str, int]:
-        """Retention, after the commit of `committed`: remove what versions older than the
-        newest `keep_versions` committed ones left - their payloads on the transport (every
-        attempt: object-store objects, or relay spools and delivered sets through the tree's
-        `Forget`, `seam.forget`), attempt records and engine reports. Commit records stay (the
-        history). Never fails the transition: an error is logged and the next commit's pass
-        removes what this one left. Returns the counts removed (relay: the root's files)."""
-        keep = self.config.keep_versions
-        removed = {"payloads": 0, "attempts": 0, "reports": 0}
-        if keep <= 0:
-            return removed
-        last = committed - keep  # versions <= last go
-        for what, prefix in (("attempts", ATTEMPTS), ("reports", "reports/")):
-            try:
-                for key in self.control.list(prefix):
-                    m = _VERSION_IN_KEY.search(key)
-                    if m is not None and int(m.group(1)) <= last:
-                        self.control.delete(key)
-                        removed[what] += 1
-            except Exception as e:
-                self.log(f"retention of {what} after version {committed} failed: {e}")
-        if self.transport is not None and last >= 0:
-            try:
-                removed["payloads"] = forget(self.transport, last + 1, timeout_s=5.0)
-            except Exception as e:
-                self.log(f"retention of payloads after version {committed} failed: {e}")
-        return removed
-
     def _verify(self, version: int, res: AttemptResult) -> None:
         """The owners' candidate guard (the build returned; engines may still be applying)."""
         try:
             reply = self.owners.verify(version)
-            if reply and "guard" in reply:
-                res.owners["guard"] = reply["guard"]
+            if reply is not None:
+                res.guard = VerifyReply.parse(reply).guard.value
         except Exception as e:
             res.failed["owners"] = f"verify: {type(e).__name__}: {e}"
             res.candidate_changed = isinstance(e, CandidateChanged)
@@ -436,16 +399,21 @@ class Coordinator:
                 res.failed[name] = f"{type(e).__name__}: {e}"
                 res.unreachable.add(name)
                 continue
-            res.acks[name] = ack
-            if not ack.get("ok"):
-                res.failed[name] = str(ack.get("error") or "ACK not ok")
+            try:
+                checked = EngineAck.parse(ack, what=f"engine {name} ACK")
+            except DCRError as e:
+                res.failed[name] = str(e)
+                continue
+            res.acks[name] = checked
+            if not checked.ok:
+                res.failed[name] = str(checked.error or "ACK not ok")
 
     def _commit(self, version: int, committed: int, res: AttemptResult) -> CommitRecord:
         digests = {r.name: r.digest() for r in self.engines} if self.config.record_digests else {}
         record = CommitRecord(
             version=version,
             base_version=committed,
-            baseline_id=str(res.owners.get("baseline_id", "")),
+            baseline_id=res.owners.baseline_id if res.owners is not None else "",
             attempt=res.attempt,
             receivers=tuple(r.name for r in self.engines),
             digests=digests,

@@ -1,82 +1,58 @@
-"""Drive DCR on vLLM engines through their worker extension: coordinator handles for a
-``vllm serve`` engine (`HttpEngine`, over HTTP) and for an engine running as a Ray actor
-(`RayEngine`, through the actor's ``collective_rpc``).
+"""The ``dcr_*`` RPC channels to vLLM engines (rpc_channel.py), and the engine handles built
+on them (handle.py):
 
-`HttpEngine` is the `shared_codec.coordination.coordinator.Receiver` of one ``vllm serve`` engine (all its
-ranks). It uses only vLLM's own HTTP API: ``POST /collective_rpc`` (the dev endpoints, enabled
-with ``VLLM_SERVER_DEV_MODE=1``) to call the ``dcr_`` RPCs, ``POST /reset_prefix_cache`` after
-every apply or dense load, and ``GET /health``. Payloads never pass through HTTP: ``dcr_fetch``
-makes every worker fetch the attempt from the object store named by the store spec.
+- `HttpChannel` / `HttpEngine`: one ``vllm serve`` engine (all its ranks), through vLLM's own
+  HTTP API only: ``POST /collective_rpc`` (the dev endpoints, enabled with
+  ``VLLM_SERVER_DEV_MODE=1``), ``POST /reset_prefix_cache`` and ``GET /health``. Payloads never
+  pass through HTTP: ``dcr_fetch`` makes every worker fetch the attempt from the source spec.
+  A launcher (``dcr_tools.procs.ServeProcess`` for local engines) returns the base URL of a
+  restarted engine.
+- `RayChannel` / `RayEngine`: an engine that runs as a Ray actor (``ray.remote(LLM)`` or an
+  ``AsyncLLM`` actor) with the DCR worker extension: the RPCs go through the actor's own
+  ``collective_rpc``; the launcher returns a new actor handle.
+- `InProcessChannel` / `InProcessEngine`: an ``LLM`` (or ``LLMEngine``) in this process. vLLM's
+  synchronous client waits for the engine core without a bound (after a TP worker died
+  mid-apply, ``reset_prefix_cache`` was seen waiting forever), so every call runs on a helper
+  thread and is waited for at most its deadline; a worker that dies or hangs raises
+  `EngineUnreachable` naming the call, and the engine is then dead to the channel (every later
+  call is refused at once).
 
-A launcher (``dcr_tools.procs.ServeProcess`` for local engines) restarts a dead engine on
-`HttpEngine.restore`.
-
-Replies out of step: a ``collective_rpc`` that times out inside vLLM's executor (vLLM 0.32,
-multiprocess executor) still answers later, and the next call reads that late answer instead of
-its own (vLLM's replies are not tagged). Every dcr_ RPC names itself in its reply (``"rpc"``);
-a handle that sees a timed-out call or a reply naming another RPC marks the engine out of step:
-every later call raises `EngineUnreachable` at once (so the coordinator fences and restores
-it), and `restore` restarts it (its launcher) before the dense load - a restart is the only
-way to bring the replies back in step.
+`HttpEngine`, `RayEngine` and `InProcessEngine` are each a handle over itself as its channel.
 
 Limitations:
 1. The dev endpoints must not be exposed beyond the trusted control network (vLLM warns at
    start); put an authenticating proxy in front of them in production.
-2. `restore` restarts a dead or out-of-step engine only when a launcher was given; otherwise
-   it raises.
+2. A restart needs a launcher; without one `restore` of a dead or out-of-step engine raises.
+3. Ray needs ``ray`` in the coordinator's process (imported on first call).
+4. An in-process call that missed its deadline keeps its helper thread (a daemon) until vLLM
+   returns, if ever; the engine is unusable by then.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
+import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+from shared_codec.coordination.handle import EngineHandle
+from shared_codec.coordination.rpc_channel import RpcChannel
 from shared_codec.errors import DCRError, EngineUnreachable
 
+T = TypeVar("T")
 
-class HttpEngine:
-    """Coordinator handle for one ``vllm serve`` engine (see the module docstring).
 
-    `store`: store spec the workers fetch from; `checkpoint_for(version)`: a canonical
-    checkpoint directory of a committed version (dense loads on restore); `tensors`: the
-    canonical tensor table for ``dcr_prewarm`` (``[[name, dtype, shape], ...]``); `launcher`:
-    starts a replacement engine and returns its base URL. `pipelined` (default): `apply` is one
-    pipelined ``dcr_fetch`` (each payload applied as it arrives; the coordinator starts it while
-    the owners build); ``False``: fetch everything, then ``dcr_apply`` with the attempt's
-    sealed set as ``expect`` when this process can read the seal (object stores; a relay
-    spool is on the rollout node, whose fetch records the seal itself). Recovery tests arm
-    faults in the engine's environment instead (``DCR_FAULT_PLAN``, vllm_dcr_plugin.faults).
-    """
+class HttpChannel(RpcChannel):
+    """``dcr_*`` RPCs over a ``vllm serve``'s HTTP API (module docstring)."""
 
     def __init__(
-        self,
-        name: str,
-        base_url: str,
-        *,
-        store: dict[str, Any],
-        checkpoint_for: Callable[[int], str],
-        tensors: list,
-        launcher: Callable[[], str] | None = None,
-        verify: bool = False,
-        pipelined: bool = True,
+        self, base_url: str, *, store: Any, launcher: Callable[[], str] | None = None
     ) -> None:
-        self.name = name
-        self.pipelined = pipelined
+        super().__init__(store=store, launcher=launcher)
         self.base_url = base_url.rstrip("/")
-        self.store = json.dumps(store, sort_keys=True)
-        self.checkpoint_for = checkpoint_for
-        self.tensors = tensors
-        self.launcher = launcher
-        self.verify = verify
-        self.last: dict[str, Any] = {}
-        self.out_of_step = ""  # why this engine's replies cannot be trusted (module docstring)
 
-    # -- HTTP ----------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
         data = json.dumps(body).encode() if body is not None else b""
         req = urllib.request.Request(
@@ -95,219 +71,76 @@ class HttpEngine:
             ) from None
         return json.loads(raw) if raw else None
 
-    def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
-        """vLLM's ``collective_rpc`` of `method` on every rank: the per-rank replies."""
-        self._in_step(method)
+    def _collective(
+        self, method: str, args: list[Any], kwargs: Mapping[str, Any] | None, timeout: float
+    ) -> Any:
+        body: dict[str, Any] = {"method": method, "args": args, "timeout": timeout}
+        if kwargs:
+            body["kwargs"] = dict(kwargs)
         try:
-            out = self._post(
-                "/collective_rpc",
-                {"method": method, "args": args, "timeout": timeout},
-                timeout + 30,
-            )
+            out = self._post("/collective_rpc", body, timeout + 30)
         except EngineUnreachable as e:
             if "timed out" in str(e):  # inside vLLM's executor: its late reply is queued
                 self.out_of_step = f"{method} timed out inside vLLM ({e})"
             raise
-        replies = (out or {}).get("results")
-        if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
-            raise DCRError(f"receiver {self.name}: {method} returned {out!r}")
-        return self._own(method, replies)
-
-    def _in_step(self, method: str) -> None:
-        if self.out_of_step:
-            raise EngineUnreachable(
-                f"receiver {self.name}: not calling {method}: its replies are out of step "
-                f"({self.out_of_step}); restore (restart) the engine"
-            )
-
-    def _own(self, method: str, replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`replies` if they answer `method` (replies without ``"rpc"``: an older plugin);
-        else the engine is out of step (module docstring) and this raises."""
-        stale = sorted({str(r["rpc"]) for r in replies if r.get("rpc") not in (None, method)})
-        if stale:
-            self.out_of_step = f"{method} read the late reply of an earlier {', '.join(stale)}"
-            raise EngineUnreachable(
-                f"receiver {self.name}: {self.out_of_step} (vLLM's collective_rpc replies are "
-                "out of step after a call timed out); restore (restart) the engine"
-            )
-        return replies
-
-    def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[dict[str, Any]]:
-        """Call a dcr_ RPC on every rank; raise DCRError naming the receiver and failing ranks."""
-        replies = self._call(method, list(args), timeout)
-        bad = [r for r in replies if not r.get("ok")]
-        if bad:
-            raise DCRError(
-                f"receiver {self.name}: {method} failed on "
-                + "; ".join(f"rank {r.get('rank')}: {r.get('error')}" for r in bad)
-            )
-        return replies
+        return out.get("results") if isinstance(out, dict) else out
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
+                return resp.status == 200  # type: ignore[no-any-return]
         except (urllib.error.URLError, OSError):
             return False
 
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache", None, 60)
 
-    # -- coordinator Engine protocol -----------------------------------------------------------
-    def prewarm(self, version: int) -> list[dict[str, Any]]:
-        return self.rpc("dcr_prewarm", self.tensors, version)
-
-    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        """Fetch + stage on every rank, then apply; the merged ACK of all ranks. Pipelined (the
-        default): one ``dcr_fetch`` call that applies payloads as they arrive (those already
-        waiting together), so it can be
-        started while the owners still build. A fetch the engine answered with an error (a
-        missing or rejected payload) is a failed ACK; an engine that does not answer raises
-        `EngineUnreachable`."""
-        t0 = time.perf_counter()
-        opts = {"verify": self.verify} if self.pipelined else None
-        answered = False  # the engine answered the apply: no health probe before the reset
-        try:
-            try:
-                fetched = self.rpc(
-                    "dcr_fetch",
-                    self.store,
-                    version,
-                    attempt,
-                    timeout_s,
-                    opts,
-                    timeout=timeout_s,
-                )
-            except EngineUnreachable:
-                raise
-            except DCRError as e:
-                self.last = {"ok": False, "error": f"fetch failed: {e}", "ranks": []}
-                return self.last
-            t1 = time.perf_counter()
-            if opts is not None:
-                acks = [f["ack"] for f in fetched]
-                t1 = t0 + max(float(f.get("fetch_seconds", 0.0)) for f in fetched)
-            else:
-                try:
-                    expect = self._sealed(version, attempt, timeout_s)
-                except DCRError as e:  # the manifest the engines fetched is unreadable here
-                    self.last = {"ok": False, "error": f"seal unreadable: {e}", "ranks": []}
-                    return self.last
-                acks = self._call("dcr_apply", [attempt, self.verify, expect], timeout_s)
-            answered = True
-        finally:
-            if answered or self.healthy():
-                self.reset_prefix_cache()  # also after a failed apply: weights may be partial
-        errors = [f"rank {a.get('rank')}: {a.get('error')}" for a in acks if not a.get("ok")]
-        merged: dict[str, Any] = {
-            "ok": not errors,
-            "error": "; ".join(errors) or None,
-            "ranks": acks,
-            "pipelined": opts is not None,
-            "fetch_s": t1 - t0,  # pipelined: until the last payload arrived (applies overlap)
-            "apply_s": time.perf_counter() - t1,  # pipelined: the tail after the last payload
-            "fetched_bytes": sum(int(f.get("bytes", 0)) for f in fetched),
-            "payloads": max((int(f.get("payloads", 0)) for f in fetched), default=0),
-            "elements_written": sum(int(a.get("elements_written", 0)) for a in acks),
-        }
-        self.last = merged
-        return merged
-
-    def _sealed(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any] | None:
-        """``dcr_apply``'s `expect`: the set the attempt's manifest names (docs/protocol.md,
-        "Exactly once"), read from an object store; None for a relay spool (not readable here:
-        the engines' fetch recorded the node's manifest notice)."""
-        spec = json.loads(self.store)
-        if spec.get("kind") not in ("dir", "s3"):
-            return None
-        from shared_codec.transport.seam import open_source
-
-        sealed = open_source(spec).sealed(version, attempt, timeout_s)
-        return {
-            "version": sealed.version,
-            "base_version": sealed.base_version,
-            "payload_ids": list(sealed.payload_ids),
-        }
-
-    def commit(self, version: int) -> None:
-        self.rpc("dcr_commit", version)
-
-    def abort(self, attempt: int) -> None:
-        self.rpc("dcr_abort", attempt)
-
-    def digest(self) -> str:
-        """One digest of the engine: SHA-256 over the ranks' combined digests in rank order."""
-        replies = sorted(self.rpc("dcr_digest"), key=lambda r: int(r.get("rank", 0)))
-        h = hashlib.sha256()
-        for r in replies:
-            h.update(str(r["digest"]).encode())
-        return h.hexdigest()
-
-    def restore(self, version: int) -> None:
-        """Restart the engine if it died (needs a launcher), dense-load committed `version`,
-        prewarm; the receiver is then clean at `version`."""
-        relaunched = False
-        if self.out_of_step or not self.healthy():
-            why = f"out of step ({self.out_of_step})" if self.out_of_step else "down"
-            if self.launcher is None:
-                raise DCRError(f"receiver {self.name} is {why} and has no launcher to restart it")
-            self._relaunch()
-            self.out_of_step, relaunched = "", True
-        try:
-            self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
-        except EngineUnreachable:
-            # a worker that died can leave the API server answering /health for a moment while
-            # its executor is already shut down (vLLM: "collective_rpc should not be called on
-            # follower node"): restart it once, then load
-            if relaunched or self.launcher is None:
-                raise
-            self._relaunch()
-            self.out_of_step = ""
-            self.rpc("dcr_dense_load", self.checkpoint_for(version), version)
-        self.reset_prefix_cache()
-        self.prewarm(version)
-
-    def _relaunch(self) -> None:
+    def _launch(self) -> None:
         assert self.launcher is not None
-        self.base_url = self.launcher().rstrip("/")
+        self.base_url = str(self.launcher()).rstrip("/")
 
 
-class RayEngine(HttpEngine):
-    """Coordinator handle for one vLLM engine that runs as a Ray actor (``ray.remote(LLM)`` or an
-    ``AsyncLLM`` actor) with the DCR worker extension: the ``dcr_`` RPCs go through the actor's
-    own ``collective_rpc`` (vLLM's executor fans them out to the workers) and the prefix cache
-    is reset through its ``reset_prefix_cache``; everything else is `HttpEngine`'s.
+class HttpEngine(EngineHandle, HttpChannel):
+    """The handle of one ``vllm serve`` engine, over its own `HttpChannel`.
 
-    `launcher` returns a new actor handle (`restore` of a dead actor). An actor that died or
-    does not answer within the call's deadline raises `EngineUnreachable`.
-
-    Limitations:
-    1. Needs ``ray`` in the coordinator's process (imported on first call).
-    """
+    `store`: the source spec the workers fetch from; `checkpoint_for(version)`: a canonical
+    checkpoint directory of a committed version (dense loads on restore); `tensors`: the
+    canonical tensor table for ``dcr_prewarm``; `launcher`: starts a replacement engine and
+    returns its base URL; `pipelined`, `verify`: `EngineHandle`'s."""
 
     def __init__(
         self,
         name: str,
-        actor: Any,
+        base_url: str,
         *,
-        store: dict[str, Any],
+        store: Any,
         checkpoint_for: Callable[[int], str],
         tensors: list,
-        launcher: Callable[[], Any] | None = None,
+        launcher: Callable[[], str] | None = None,
         verify: bool = False,
         pipelined: bool = True,
     ) -> None:
-        super().__init__(
+        HttpChannel.__init__(self, base_url, store=store, launcher=launcher)
+        EngineHandle.__init__(
+            self,
             name,
-            f"ray-actor://{name}",
-            store=store,
-            checkpoint_for=checkpoint_for,
+            self,
             tensors=tensors,
+            checkpoint_for=checkpoint_for,
             verify=verify,
             pipelined=pipelined,
         )
+
+
+class RayChannel(RpcChannel):
+    """``dcr_*`` RPCs through a vLLM Ray actor's ``collective_rpc`` (module docstring). An
+    actor that died or does not answer within the call's deadline raises `EngineUnreachable`."""
+
+    def __init__(
+        self, actor: Any, *, store: Any, launcher: Callable[[], Any] | None = None
+    ) -> None:
+        super().__init__(store=store, launcher=launcher)
         self.actor = actor
-        self.launcher = launcher
 
     def _get(self, ref: Any, timeout: float) -> Any:
         import ray
@@ -317,13 +150,12 @@ class RayEngine(HttpEngine):
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise EngineUnreachable(f"receiver {self.name} (Ray actor): {e}") from None
 
-    def _call(self, method: str, args: list[Any], timeout: float) -> list[dict[str, Any]]:
-        self._in_step(method)
-        ref = self.actor.collective_rpc.remote(method, timeout=timeout, args=tuple(args))
-        replies = self._get(ref, timeout + 30)
-        if not isinstance(replies, list) or not all(isinstance(r, dict) for r in replies):
-            raise DCRError(f"receiver {self.name}: {method} returned {replies!r}")
-        return self._own(method, replies)
+    def _collective(
+        self, method: str, args: list[Any], kwargs: Mapping[str, Any] | None, timeout: float
+    ) -> Any:
+        extra = {"kwargs": dict(kwargs)} if kwargs else {}
+        ref = self.actor.collective_rpc.remote(method, timeout=timeout, args=tuple(args), **extra)
+        return self._get(ref, timeout + 30)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
@@ -335,6 +167,157 @@ class RayEngine(HttpEngine):
     def reset_prefix_cache(self) -> None:
         self._get(self.actor.reset_prefix_cache.remote(), 60)
 
-    def _relaunch(self) -> None:
+    def _launch(self) -> None:
         assert self.launcher is not None
         self.actor = self.launcher()
+
+
+class RayEngine(EngineHandle, RayChannel):
+    """The handle of one vLLM engine that runs as a Ray actor, over its own `RayChannel`
+    (arguments as `HttpEngine`'s; `launcher` returns a new actor handle)."""
+
+    def __init__(
+        self,
+        name: str,
+        actor: Any,
+        *,
+        store: Any,
+        checkpoint_for: Callable[[int], str],
+        tensors: list,
+        launcher: Callable[[], Any] | None = None,
+        verify: bool = False,
+        pipelined: bool = True,
+    ) -> None:
+        RayChannel.__init__(self, actor, store=store, launcher=launcher)
+        EngineHandle.__init__(
+            self,
+            name,
+            self,
+            tensors=tensors,
+            checkpoint_for=checkpoint_for,
+            verify=verify,
+            pipelined=pipelined,
+        )
+
+
+class InProcessChannel(RpcChannel):
+    """``dcr_*`` RPCs on an ``LLM`` / ``LLMEngine`` in this process, each call bounded by its
+    deadline (module docstring). `timeout_s`: the deadline of calls that do not name one."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        timeout_s: float = 600.0,
+        store: Any = None,
+        launcher: Callable[[], Any] | None = None,
+    ) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            raise ValueError(f"timeout_s must be a number of seconds, got {timeout_s!r:.40}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        super().__init__(store=store, launcher=launcher)
+        self.engine = engine
+        self.timeout_s = float(timeout_s)
+
+    def refusal(self, method: str) -> str:
+        return f"{method}: the engine is dead to this client ({self.out_of_step})"
+
+    def bounded(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
+        """`fn()` on a helper thread, waited for at most `timeout_s`: its result, or its error
+        as raised; `EngineUnreachable` when it did not return in time or the engine failed
+        (the engine is then dead to this channel)."""
+        if self.out_of_step:
+            raise EngineUnreachable(self.refusal(what))
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"dcr-client-{what}", daemon=True).start()
+        if not done.wait(timeout_s):
+            self.out_of_step = f"{what} did not return within {timeout_s:.0f}s"
+            raise EngineUnreachable(
+                f"{what}: no answer within {timeout_s:.0f}s (a worker or the engine core is "
+                "dead or hung); restart the engine and retry with overwrites"
+            )
+        err = box.get("error")
+        if err is None:
+            return box["value"]  # type: ignore[no-any-return]
+        if isinstance(err, DCRError | ValueError | TypeError):
+            raise err  # an answer: the engine is alive
+        # vLLM's failures of a dead worker or engine core: EngineDeadError, "Executor
+        # failed", "Call to collective_rpc method failed: cancelled", TimeoutError
+        self.out_of_step = f"{what} failed: {type(err).__name__}: {err}"
+        raise EngineUnreachable(
+            f"{what}: the engine failed ({type(err).__name__}: {err}); restart the engine "
+            "and retry with overwrites"
+        ) from err
+
+    def _collective(
+        self, method: str, args: list[Any], kwargs: Mapping[str, Any] | None, timeout: float
+    ) -> Any:
+        kw = dict(kwargs) if kwargs else None
+        return self.bounded(
+            method,
+            lambda: self.engine.collective_rpc(
+                method, timeout=timeout, args=tuple(args), kwargs=kw
+            ),
+            timeout + 5.0,  # vLLM's own timeout first, when it works
+        )
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        return not self.out_of_step
+
+    def reset_prefix_cache(self) -> None:
+        if not self.out_of_step:  # a dead engine's cache is gone with it
+            self.bounded("reset_prefix_cache", self.engine.reset_prefix_cache, self.timeout_s)
+
+    def _launch(self) -> None:
+        assert self.launcher is not None
+        self.engine = self.launcher()
+
+
+class InProcessEngine(EngineHandle, InProcessChannel):
+    """The handle of an ``LLM`` in this process (a coordinator and its engine in one process),
+    over its own `InProcessChannel`; `launcher` returns a new ``LLM``."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Any,
+        *,
+        store: Any,
+        checkpoint_for: Callable[[int], str] | None,
+        tensors: list,
+        launcher: Callable[[], Any] | None = None,
+        verify: bool = False,
+        pipelined: bool = True,
+        timeout_s: float = 600.0,
+    ) -> None:
+        InProcessChannel.__init__(self, engine, timeout_s=timeout_s, store=store, launcher=launcher)
+        EngineHandle.__init__(
+            self,
+            name,
+            self,
+            tensors=tensors,
+            checkpoint_for=checkpoint_for,
+            verify=verify,
+            pipelined=pipelined,
+        )
+
+
+__all__ = [
+    "HttpChannel",
+    "HttpEngine",
+    "InProcessChannel",
+    "InProcessEngine",
+    "RayChannel",
+    "RayEngine",
+]

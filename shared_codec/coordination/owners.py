@@ -1,7 +1,8 @@
 """The coordinator's client for a trainer job's owner service (`megatron_dcr_hooks.service`).
 
 `RemoteOwners(endpoint)` implements `shared_codec.coordination.coordinator.Owners` over one ZeroMQ REQ
-socket (JSON requests and replies, no pickle). A request that gets no reply within its timeout
+socket: typed requests and replies (`protocol.OwnerRequest` / `OwnerReply` around the op's own
+reply, as JSON; no pickle). A request that gets no reply within its timeout
 raises `DCRError` and the socket is replaced (a REQ socket cannot send again before it receives),
 so a slow or dead trainer job fails the attempt instead of wedging the coordinator.
 
@@ -14,7 +15,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shared_codec.errors import CandidateChanged, DCRError
+from shared_codec.coordination.protocol import (
+    AbortReply,
+    BuildReply,
+    CommitReply,
+    OwnerOp,
+    OwnerReply,
+    OwnerRequest,
+    StatusReply,
+    VerifyReply,
+)
+from shared_codec.errors import DCRError
 
 
 class RemoteOwners:
@@ -39,41 +50,49 @@ class RemoteOwners:
             self._sock.close(0)
             self._sock = None
 
-    def call(self, op: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        """Send one request; return the reply or raise DCRError with the service's error."""
+    def call(self, op: str, timeout_s: float | None = None, **fields: Any) -> OwnerReply:
+        """Send one `OwnerRequest`; return the checked `OwnerReply` (its op's fields in
+        ``extra``, readable as ``reply["field"]``) or raise the service's error as its DCR
+        class (`OwnerReply.raise_for`)."""
         import zmq
 
+        known = {k: fields.pop(k) for k in ("version", "attempt", "retry") if k in fields}
+        request = OwnerRequest(op=op, extra=fields, **known)
         sock = self._socket()
-        sock.send(json.dumps({"op": op, **fields}).encode())
+        sock.send(json.dumps(request.to_wire()).encode())
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
             self.close()
             raise DCRError(
                 f"owner service at {self.endpoint}: no reply to {op!r} in {timeout:.0f}s"
             )
-        reply = json.loads(sock.recv())
-        if not reply.get("ok"):
-            error = DCRError
-            if reply.get("error_type") == "CandidateChanged":
-                error = CandidateChanged
-            raise error(f"owner service {op!r} failed: {reply.get('error')}")
-        return dict(reply)
+        raw = sock.recv()
+        try:
+            reply = OwnerReply.parse(json.loads(raw), what=f"owner service {op!r} reply")
+        except ValueError as e:  # not JSON
+            raise DCRError(f"owner service {op!r}: a reply that is not JSON: {e}") from None
+        reply.raise_for(op)
+        return reply
 
     # -- coordinator Owners protocol -------------------------------------------------------------
-    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
-        return self.call("build", version=version, attempt=attempt, retry=retry)
+    def build(self, version: int, attempt: int, retry: bool) -> BuildReply:
+        reply = self.call(OwnerOp.BUILD, version=version, attempt=attempt, retry=retry)
+        return BuildReply.parse(reply.extra)
 
-    def verify(self, version: int) -> dict[str, Any]:
-        return self.call("verify", version=version)
+    def verify(self, version: int) -> VerifyReply:
+        return VerifyReply.parse(self.call(OwnerOp.VERIFY, version=version).extra)
 
     def commit(self, version: int) -> None:
-        self.call("commit", version=version)
+        CommitReply.parse(self.call(OwnerOp.COMMIT, version=version).extra)
 
     def abort(self, version: int, attempt: int) -> None:
-        self.call("abort", version=version, attempt=attempt)
+        AbortReply.parse(self.call(OwnerOp.ABORT, version=version, attempt=attempt).extra)
+
+    def status(self) -> StatusReply:
+        return StatusReply.parse(self.call(OwnerOp.STATUS).extra)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         try:
-            self.call("stop", timeout_s=timeout_s)
+            self.call(OwnerOp.STOP, timeout_s=timeout_s)
         finally:
             self.close()

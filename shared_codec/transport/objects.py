@@ -20,7 +20,7 @@ while l + 1 is still being built or uploaded), and checks the set against the ma
 is written. A coordinator whose owners failed writes the attempt's ``abandoned.json``
 (`abandon_attempt`) so that waiting fetchers stop at once instead of at their timeout.
 
-Behind the transport seam (`seam.py`): `ObjectSink` is the sink (publisher, manifest as the
+Behind the transport interfaces (`base.py`, opened by `spec.py`): `ObjectSink` is the sink (publisher, manifest as the
 seal, abandon marker) and `ObjectFetcher` the source of the ``dir`` and ``s3`` spec kinds.
 
 Cleanup policy: objects of attempts of versions older than the committed version are garbage;
@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import json
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from shared_codec.errors import PayloadError
 from shared_codec.format import peek_header
-from shared_codec.transport.seam import Seal, SealedAttempt, SinkReport
-from shared_codec.transport.store import ObjectStore, TransportError, poll_interval
+from shared_codec.transport.base import ObjectStore, Seal, SealedAttempt, SinkReport
+from shared_codec.transport.store import TransportError, poll_interval
 
 
 def attempt_prefix(version: int, attempt: int) -> str:
@@ -61,7 +62,8 @@ class ObjectPublisher:
         self.bytes_uploaded = 0
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dcr-put")
         self._futures: list[Future[None]] = []
-        self._limit = concurrency * 2
+        # uploads in flight (running or queued): `send` blocks on a free slot (back-pressure)
+        self._slots = threading.BoundedSemaphore(concurrency * 2)
 
     def send(self, payload: bytes) -> None:
         """Upload one payload (asynchronously; bounded in-flight uploads give back-pressure)."""
@@ -82,9 +84,14 @@ class ObjectPublisher:
             }
         )
         self.bytes_uploaded += len(payload)
-        while len([f for f in self._futures if not f.done()]) >= self._limit:
-            time.sleep(0.001)
-        self._futures.append(self._pool.submit(self.store.put, key, payload))
+        self._slots.acquire()
+        try:
+            future = self._pool.submit(self.store.put, key, payload)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._futures.append(future)
 
     def finish(self) -> dict:
         """Wait for every upload, then write this owner's list. Returns the list."""
@@ -149,7 +156,7 @@ def abandon_attempt(store: ObjectStore, *, version: int, attempt: int, reason: s
 
 
 class ObjectSink:
-    """`seam.PayloadSink` on an object store: an `ObjectPublisher` for an owner, the manifest
+    """`base.PayloadSink` on an object store: an `ObjectPublisher` for an owner, the manifest
     as the seal, the ``abandoned.json`` marker as the abandon. Without an owner (the
     coordinator) it sends nothing."""
 

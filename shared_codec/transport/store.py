@@ -1,6 +1,6 @@
 """Object stores: the same key layout on a local directory or any S3-compatible endpoint.
 
-`ObjectStore` is the narrow interface the object-storage transport needs: ``put`` (whole
+`ObjectStore` (`base.py`) is the narrow interface the object-storage transport needs: ``put`` (whole
 object, overwriting), ``put_if_absent`` (create-only; False when the key exists), ``get``,
 ``exists``, ``list`` (keys under a prefix) and ``delete``.
 
@@ -30,20 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from shared_codec.errors import TransportError
+from shared_codec.transport.base import ObjectStore
 
 T = TypeVar("T")
-
-
-class ObjectStore(Protocol):
-    def put(self, key: str, data: bytes) -> None: ...
-    def put_if_absent(self, key: str, data: bytes) -> bool: ...
-    def get(self, key: str) -> bytes: ...
-    def exists(self, key: str) -> bool: ...
-    def list(self, prefix: str) -> list[str]: ...
-    def delete(self, key: str) -> None: ...
 
 
 #: Watchers' poll interval (first, cap) for stores that do not say (`poll_interval`).
@@ -370,36 +362,3 @@ class ThrottledStore:
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)
-
-
-def open_store(spec: str | dict[str, Any]) -> ObjectStore:
-    """An object store from a plain spec (a dict or its JSON text), so that a store can be named
-    across processes and RPCs: ``{"kind": "dir", "root": PATH}`` or ``{"kind": "s3", "bucket":
-    NAME, "endpoint_url": URL, "prefix": P, "region": R}`` (credentials come from the usual
-    boto3 sources: environment, config files, instance roles). An optional
-    ``"bandwidth_bytes_per_s"`` wraps the store in a `ThrottledStore` (benchmarks)."""
-    import json
-
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"store spec is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"store spec must be a JSON object, got {type(spec).__name__}")
-    kind = spec.get("kind")
-    store: ObjectStore
-    if kind == "dir":
-        store = DirectoryStore(str(spec["root"]))
-    elif kind == "s3":
-        store = S3Store(
-            str(spec["bucket"]),
-            endpoint_url=spec.get("endpoint_url"),
-            prefix=str(spec.get("prefix", "")),
-            region=str(spec.get("region", "us-east-1")),
-        )
-    else:
-        raise ValueError(f"store spec kind must be 'dir' or 's3', got {kind!r}")
-    if spec.get("bandwidth_bytes_per_s"):
-        store = ThrottledStore(store, float(spec["bandwidth_bytes_per_s"]))
-    return store

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from shared_codec.coordination.engines import HttpEngine
-from shared_codec.errors import EngineUnreachable
+from shared_codec.errors import EngineUnreachable, ProtocolError
 
 
 class Scripted(HttpEngine):
@@ -49,10 +49,13 @@ def _ok(rpc: str, **extra: Any) -> list[dict[str, Any]]:
     return [{"ok": True, "rank": 0, "rpc": rpc, **extra}]
 
 
-def test_own_replies_pass_and_untagged_replies_are_accepted() -> None:
+def test_own_replies_pass_and_untagged_replies_are_refused() -> None:
+    """Every reply names its RPC: one without ``"rpc"`` is malformed (no plugin ever sent
+    one, issue 29), refused naming the field."""
     e = Scripted([_ok("dcr_digest", digest="a"), [{"ok": True, "rank": 0, "digest": "b"}]])
     assert e.rpc("dcr_digest")[0]["digest"] == "a"
-    assert e.rpc("dcr_digest")[0]["digest"] == "b"  # an older plugin: no "rpc" field
+    with pytest.raises(ProtocolError, match="missing field 'rpc'"):
+        e.rpc("dcr_digest")
     assert not e.out_of_step
 
 

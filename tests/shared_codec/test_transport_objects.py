@@ -206,7 +206,8 @@ def test_open_store_specs_and_throttle(tmp_path: Path) -> None:
     import json
     import time
 
-    from shared_codec.transport.store import DirectoryStore, ThrottledStore, open_store
+    from shared_codec.transport.spec import open_store
+    from shared_codec.transport.store import DirectoryStore, ThrottledStore
 
     plain = open_store(json.dumps({"kind": "dir", "root": str(tmp_path / "s")}))
     assert isinstance(plain, DirectoryStore)

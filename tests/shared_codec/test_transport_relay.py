@@ -27,7 +27,7 @@ from shared_codec.transport.relay import (
     stream_spool,
     tree_children,
 )
-from shared_codec.transport.seam import forget
+from shared_codec.transport.spec import forget
 from shared_codec.transport.store import TransportError
 
 

@@ -9,7 +9,8 @@ from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.checkpoint import load_checkpoint
 from shared_codec.format import PayloadMeta
 from shared_codec.records import Kind, diff_tensors
-from shared_codec.transport.seam import Seal, open_sink
+from shared_codec.transport.base import Seal
+from shared_codec.transport.spec import open_sink
 
 
 class CheckpointOwners:

@@ -23,7 +23,7 @@ import pytest
 from shared_codec.checkpoint import save_checkpoint
 from shared_codec.coordination.commit import CommitLog, CommitRecord
 from shared_codec.errors import ProtocolError
-from shared_codec.transport.store import open_store
+from shared_codec.transport.spec import open_store
 from tests.vllm.test_exactly_once import REFIT, _encode, _items, _publish, _versions
 from tests.vllm.test_receiver_units import CANON, FakeLoaderModel, _assert_holds, _dense
 from vllm_dcr_plugin import worker as dcr_worker

@@ -28,7 +28,7 @@ from dcr_tools.procs import base_env
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import RayEngine
-from shared_codec.transport.store import open_store
+from shared_codec.transport.spec import open_store
 from tests.vllm._owners import CheckpointOwners
 from vllm_dcr_plugin import faults
 

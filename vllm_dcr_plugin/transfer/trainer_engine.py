@@ -37,8 +37,6 @@ Limitations:
 
 from __future__ import annotations
 
-import hashlib
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
@@ -57,12 +55,11 @@ from shared_codec.coordination.coordinator import (
     RefitResult,
 )
 from shared_codec.coordination.owners import RemoteOwners
-from shared_codec.errors import DCRError, EngineUnreachable
-from shared_codec.transport.seam import SINK_KINDS, parse_spec
-from shared_codec.transport.store import ObjectStore, open_store
-from vllm_dcr_plugin.arguments import arguments, integer, seconds, store_spec
+from shared_codec.transport.spec import Role, TransportSpec
+from vllm_dcr_plugin.arguments import arguments, integer, seconds
 from vllm_dcr_plugin.staging import tensor_specs
-from vllm_dcr_plugin.transfer import register_backends, reports
+from vllm_dcr_plugin.transfer import register_backends
+from vllm_dcr_plugin.transfer.native import NativeEngine
 from vllm_dcr_plugin.transfer.worker_engine import _name
 
 
@@ -99,194 +96,20 @@ class DCRTrainerInitInfo(TrainerInitInfo):
     launcher: Callable[[str], VLLMWeightSyncClient] | None = None
 
 
-class NativeEngine:
-    """Coordinator `Engine` for one vLLM engine reached only through a `VLLMWeightSyncClient`.
-
-    Results are the per-rank reports the workers write into the control store. The handle keeps
-    vLLM's session state (``start_weight_update`` opens it, ``finish_weight_update`` closes it)
-    so that it never calls one out of order (the worker would raise and, with TP > 1, leave
-    stale replies in vLLM's executor)."""
-
-    def __init__(
-        self,
-        name: str,
-        client: VLLMWeightSyncClient,
-        *,
-        control: ObjectStore,
-        control_spec: dict[str, Any],
-        source: dict[str, Any],
-        tensors: list,
-        checkpoint_for: Callable[[int], str] | None = None,
-        launcher: Callable[[str], VLLMWeightSyncClient] | None = None,
-        pipelined: bool = True,
-        verify: bool = False,
-        digests: bool = True,
-    ) -> None:
-        self.name, self.client = name, client
-        self.control, self.control_spec = control, control_spec
-        self.source, self.tensors = source, tensors
-        self.checkpoint_for, self.launcher = checkpoint_for, launcher
-        self.pipelined, self.verify, self.digests = pipelined, verify, digests
-        self.world_size = 1
-        self.session_open = False
-        self.applied: tuple[int, int] | None = None  # (version, attempt) applied, not finished
-        self.last: list[dict[str, Any]] = []
-        self.last_digest = ""
-
-    # -- init / restore -----------------------------------------------------------------------
-    def initialize(self, version: int, dense_path: str | None = None) -> list[dict[str, Any]]:
-        """``init_weight_transfer_engine``: prewarm at committed `version` (after a dense load
-        of `dense_path`), then stamp `version` as the engine's weight version (an empty
-        session). Raises `DCRError` with the workers' errors when a rank failed."""
-        session = uuid.uuid4().hex
-        init = {
-            "engine": self.name,
-            "session": session,
-            "control": self.control_spec,
-            "source": self.source,
-            "tensors": self.tensors,
-            "committed_version": int(version),
-            "dense_path": dense_path,
-            "digest": self.digests,
-        }
-        self._call(self.client.init_weight_transfer_engine, init)
-        self.session_open, self.applied = False, None
-        step = reports.init_step(session)
-        first = reports.collect(self.control, self.name, step, world_size=1)[0]
-        self.world_size = int(first.get("world_size", 1))
-        got = reports.collect(self.control, self.name, step, world_size=self.world_size)
-        self._raise_failed("init", got)
-        self.last_digest = self._combined(got)
-        self._finish(str(version))
-        return got
-
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # requests / ray errors: the engine did not answer
-            raise EngineUnreachable(f"engine {self.name}: {type(e).__name__}: {e}") from None
-
-    def _raise_failed(self, what: str, got: list[dict[str, Any]]) -> None:
-        bad = [f"rank {r.get('rank')}: {r.get('error')}" for r in got if not r.get("ok")]
-        if bad:
-            raise DCRError(f"engine {self.name}: {what} failed: " + "; ".join(bad))
-
-    @staticmethod
-    def _combined(got: list[dict[str, Any]]) -> str:
-        """One digest over the ranks' digests in rank order ("" when none was reported)."""
-        if not all(r.get("digest") for r in got):
-            return ""
-        h = hashlib.sha256()
-        for r in sorted(got, key=lambda r: int(r["rank"])):
-            h.update(str(r["digest"]).encode())
-        return h.hexdigest()
-
-    # -- coordinator Engine protocol ----------------------------------------------------------
-    def apply(self, version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
-        if not self.session_open:
-            self._call(self.client.start_weight_update)
-            self.session_open = True
-        update = {
-            "version": int(version),
-            "base_version": int(version) - 1,
-            "attempt": int(attempt),
-            "pipelined": self.pipelined,
-            "overwrite_only": attempt > 0,
-            "verify": self.verify,
-            "digest": self.digests,
-            "timeout_s": float(timeout_s),
-        }
-        self.applied = (int(version), int(attempt))
-        self._call(self.client.update_weights, update)
-        try:
-            got = reports.collect(
-                self.control,
-                self.name,
-                reports.update_step(version, attempt),
-                world_size=self.world_size,
-            )
-        except DCRError as e:
-            return {"ok": False, "error": str(e), "ranks": []}
-        self.last = got
-        errors = [f"rank {r.get('rank')}: {r.get('error')}" for r in got if not r.get("ok")]
-        if not errors:
-            self.last_digest = self._combined(got)
-        acks = [r.get("ack", {}) for r in got]
-        return {
-            "ok": not errors,
-            "error": "; ".join(errors) or None,
-            "ranks": got,
-            "elements_written": sum(int(a.get("elements_written", 0)) for a in acks),
-        }
-
-    def _finish(self, weight_version: str | None) -> None:
-        if not self.session_open:
-            self._call(self.client.start_weight_update)
-            self.session_open = True
-        self._call(self.client.finish_weight_update, weight_version)
-        self.session_open = False
-
-    def commit(self, version: int) -> None:
-        """``finish_weight_update(str(version))``: the workers find the commit record naming
-        their attempt and commit; vLLM stamps the weight version. When this handle applied
-        the attempt, every rank's finish report must say committed."""
-        applied, self.applied = self.applied, None
-        self._finish(str(version))
-        if applied is None or applied[0] != version:
-            return  # a resuming coordinator: a receiver that did not commit refuses the next
-        got = reports.collect(
-            self.control, self.name, reports.finish_step(*applied), world_size=self.world_size
-        )
-        self._raise_failed("finish (commit)", got)
-        missed = [r.get("rank") for r in got if not r.get("committed")]
-        if missed:
-            raise DCRError(f"engine {self.name}: rank(s) {missed} did not commit {version}")
-
-    def abort(self, attempt: int) -> None:
-        """``finish_weight_update()`` without a commit record for the attempt: the workers
-        fence it (its late payloads are refused)."""
-        self.applied = None
-        self._finish(None)
-
-    def digest(self) -> str:
-        """The digest the ranks reported with their last successful init or update."""
-        return self.last_digest
-
-    def restore(self, version: int) -> None:
-        """Re-init with a dense load of committed `version` (restarting the engine through
-        `launcher` when it does not answer)."""
-        if self.checkpoint_for is None:
-            raise DCRError(f"engine {self.name}: no checkpoint_for, cannot restore")
-        if self.session_open:
-            try:
-                self._finish(None)
-            except EngineUnreachable:
-                self.session_open = False
-        try:
-            self.initialize(version, self.checkpoint_for(version))
-        except EngineUnreachable:
-            if self.launcher is None:
-                raise
-            self.client = self.launcher(self.name)
-            self.session_open = False
-            self.initialize(version, self.checkpoint_for(version))
-
-
 def _checked(
     info: DCRTrainerInitInfo, client: Any
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+) -> tuple[TransportSpec, TransportSpec, TransportSpec, dict[str, Any]]:
     """`trainer_init`'s arguments, checked before any engine is called or any record written:
     (control spec, transport spec, source spec, engine name -> client). `ProtocolError`
     naming the field otherwise."""
     with arguments("trainer_init"):
-        control = store_spec(info.control, "control", ("dir", "s3"))
-        try:
-            transport = parse_spec(info.transport, SINK_KINDS)
-        except ValueError as e:
-            raise ValueError(f"transport: {e}") from None
-        if info.source is None and transport["kind"] not in ("dir", "s3"):
+        control = TransportSpec.parse(info.control, role=Role.STORE, what="control")
+        transport = TransportSpec.parse(info.transport, role=Role.SINK, what="transport")
+        if info.source is None and not transport.plays(Role.SOURCE):
             raise ValueError("source: give the relay node's spool spec for a relay transport")
-        source = store_spec(transport if info.source is None else info.source, "source")
+        source = TransportSpec.parse(
+            transport if info.source is None else info.source, role=Role.SOURCE, what="source"
+        )
         if not isinstance(info.owners, str):
             if info.owners is None or not callable(getattr(info.owners, "build", None)):
                 raise TypeError("owners must be the owner service's endpoint or an Owners object")
@@ -362,7 +185,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
             return cls(client=client, source=source, is_sender=False)
         info = init_info
         control_spec, transport, fetch_from, clients = _checked(info, client)
-        control = open_store(control_spec)
+        control = control_spec.open_store()
         template = info.checkpoint_for
 
         def checkpoint_for(version: int) -> str:
@@ -375,7 +198,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
                 c,
                 control=control,
                 control_spec=control_spec,
-                source=dict(fetch_from),
+                source=fetch_from,
                 tensors=info.tensors,
                 checkpoint_for=checkpoint_for if template else None,
                 launcher=info.launcher,
@@ -424,6 +247,11 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
                     raise ValueError(
                         f"version must be newer than the committed version {committed}, "
                         f"got {version}"
+                    )
+                if version != committed + 1:
+                    raise ValueError(
+                        f"version must be the committed version + 1 ({committed + 1}), got "
+                        f"{version}: versions are consecutive"
                     )
         self.last_result = self.coordinator.refit(version)
         return self.last_result

@@ -52,7 +52,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
-from shared_codec.transport.store import ObjectStore, open_store
+from shared_codec.transport.base import ObjectStore
+from shared_codec.transport.spec import Role, TransportSpec
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import (
     arguments,
@@ -61,7 +62,7 @@ from vllm_dcr_plugin.arguments import (
     integer,
     payload_key,
     seconds,
-    store_spec,
+    transport_spec,
 )
 from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import reports
@@ -84,7 +85,8 @@ class DCRInitInfo(WeightTransferInitInfo):
     `engine`: this engine's name in reports and commit records; `session`: a fresh token per
     init (reports of an earlier init are never mistaken for this one); `control`: the control
     store spec (``{"kind": "dir"|"s3", ...}``: commit records and reports); `source`: the payload
-    source spec (``dir``/``s3`` store or a relay node's ``spool``); `tensors`: the canonical
+    source spec (``dir``/``s3`` store or a relay node's ``spool``) - both JSON objects on the
+    wire, `TransportSpec` once `parse_init` checked them; `tensors`: the canonical
     tensor table ``[[name, dtype, shape], ...]``; `committed_version`: the version the weights
     hold now; `dense_path`: a canonical checkpoint of that version to dense-load first; `key`:
     hex of the payload authentication key (else ``DCR_PAYLOAD_KEY`` from the environment);
@@ -92,8 +94,8 @@ class DCRInitInfo(WeightTransferInitInfo):
 
     engine: str = ""
     session: str = ""
-    control: dict[str, Any] = field(default_factory=dict)
-    source: dict[str, Any] = field(default_factory=dict)
+    control: TransportSpec | dict[str, Any] = field(default_factory=dict)
+    source: TransportSpec | dict[str, Any] = field(default_factory=dict)
     tensors: list = field(default_factory=list)
     committed_version: int = 0
     dense_path: str | None = None
@@ -146,8 +148,8 @@ def parse_init(d: Any) -> DCRInitInfo:
         info = DCRInitInfo(**_known_fields(d, "init_info", _INIT_FIELDS))
         info.engine = _name(info.engine, "engine")
         info.session = _name(info.session, "session")
-        info.control = store_spec(info.control, "control", ("dir", "s3"))
-        info.source = store_spec(info.source, "source")
+        info.control = transport_spec(info.control, "control", Role.STORE)
+        info.source = transport_spec(info.source, "source", Role.SOURCE)
         tensor_specs(info.tensors)
         info.committed_version = integer(info.committed_version, "committed_version")
         if info.dense_path is not None:
@@ -170,6 +172,11 @@ def parse_update(d: Any) -> DCRUpdateInfo:
         info.timeout_s = seconds(info.timeout_s, "timeout_s")
         if info.version <= info.base_version:
             raise ValueError(f"version {info.version} must be > base_version {info.base_version}")
+        if info.version != info.base_version + 1:
+            raise ValueError(
+                f"version {info.version} must be base_version + 1 ({info.base_version + 1}): "
+                "versions are consecutive, and a later one would never be published"
+            )
     return info
 
 
@@ -255,7 +262,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             self._report_invalid_init(init_info)
             return
         try:
-            control = open_store(init_info.control)
+            assert isinstance(init_info.control, TransportSpec)  # parse_init made it one
+            control = init_info.control.open_store()
         except Exception as e:
             logger.error("DCR engine %s: control store: %s", init_info.engine, e)
             return
@@ -294,7 +302,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         try:
             engine = _name(raw.get("engine"), "engine")
             session = _name(raw.get("session"), "session")
-            control = open_store(store_spec(raw.get("control")))
+            control = transport_spec(raw.get("control"), "control", Role.STORE).open_store()
         except Exception:
             logger.error("DCR engine: invalid init_info, cannot report: %s", bad.error)
             return

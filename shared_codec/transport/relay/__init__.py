@@ -27,7 +27,7 @@ described in docs/operations.md.
 Limitations:
 1. One manifest per message; payloads of several attempts may interleave.
 2. Nodes keep delivered payload ids and spools keep payload files until the coordinator's
-   retention (`Forget`, `seam.forget`) tells them to drop older versions.
+   retention (`Forget`, `TransportSpec.forget`) tells them to drop older versions.
 3. pyzmq is imported when a node serves or a sender connects (the ``zmq`` extra).
 """
 

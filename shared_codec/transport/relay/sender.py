@@ -1,5 +1,5 @@
 """`RelaySender`: an owner's or the coordinator's connection to the root of a relay tree, and
-`RelaySink`, the transport seam's sink on it (`shared_codec.transport.seam`).
+`RelaySink`, the transport's sink on it (`shared_codec.transport.base.PayloadSink`).
 
 Call order: ``send(payload)`` for each payload (version and attempt come from its header; at
 most `window` unacknowledged payloads in flight), ``flush()`` (every payload queued by the
@@ -17,9 +17,10 @@ Limitations:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shared_codec.format import peek_header
+from shared_codec.transport.base import Seal, SinkReport
 from shared_codec.transport.relay.messages import (
     Abandon,
     AbandonAck,
@@ -35,8 +36,10 @@ from shared_codec.transport.relay.messages import (
     encode,
 )
 from shared_codec.transport.relay.node import CurveKeys, connect_client
-from shared_codec.transport.seam import Seal, SinkReport
 from shared_codec.transport.store import TransportError
+
+if TYPE_CHECKING:
+    from shared_codec.transport.spec import TransportSpec
 
 
 class RelaySender:
@@ -156,32 +159,35 @@ class RelaySender:
         self.ctx.term()
 
 
-def sender_for(spec: dict[str, Any], timeout_s: float) -> RelaySender:
+def sender_for(spec: TransportSpec, timeout_s: float) -> RelaySender:
     """A sender to the root a relay transport spec names (CURVE when it carries a secret)."""
+    assert spec.kind == "relay" and spec.root is not None
     keys = None
-    if spec.get("secret"):
-        keys = CurveKeys(str(spec["public"]).encode(), str(spec["secret"]).encode())
+    if spec.secret:
+        if not spec.public:
+            raise ValueError("a relay spec with a CURVE 'secret' needs its 'public' key too")
+        keys = CurveKeys(spec.public.encode(), spec.secret.encode())
     return RelaySender(
-        str(spec["root"]),
+        spec.root,
         keys=keys,
-        root_public=str(spec["root_public"]).encode() if spec.get("root_public") else None,
-        window=int(spec.get("window", 16)),
+        root_public=spec.root_public.encode() if spec.root_public else None,
+        window=spec.window or 16,
         ack_timeout_s=timeout_s,
     )
 
 
 class RelaySink:
-    """`seam.PayloadSink` on a relay tree (spec kind ``relay``): payloads go to the root, the
+    """`base.PayloadSink` on a relay tree (spec kind ``relay``): payloads go to the root, the
     seal is the tree's manifest (`RelaySender.complete`: returns once every node holds every
     listed payload), the abandon is the abandon message. Without an owner (the coordinator)
     it sends nothing; the connection is opened on first use."""
 
     def __init__(
-        self, spec: dict[str, Any], *, version: int, attempt: int, owner: int | None = None
+        self, spec: TransportSpec, *, version: int, attempt: int, owner: int | None = None
     ) -> None:
         self.spec = spec
         self.version, self.attempt, self.owner = version, attempt, owner
-        self.timeout_s = float(spec.get("timeout_s", 60.0))
+        self.timeout_s = spec.timeout_s or 60.0
         self._sender: RelaySender | None = None
         self._ids: list[str] = []
 

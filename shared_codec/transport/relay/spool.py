@@ -1,6 +1,6 @@
 """A relay node's spool: the directory through which a node process hands payloads to the
 engines of its rollout node. Written (`SpoolWriter`, by the node process) and read
-(`read_spool`, `stream_spool`, `wait_manifest`, and `SpoolSource`, the transport seam's source
+(`read_spool`, `stream_spool`, `wait_manifest`, and `SpoolSource`, the transport's source
 on a spool, by engines) only here.
 
 Layout of a spool directory, every file written atomically (temporary name, then rename):
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shared_codec.format import PayloadHeader, peek_header
+from shared_codec.transport.base import SealedAttempt
 from shared_codec.transport.relay.messages import Abandon, Forget, Manifest
-from shared_codec.transport.seam import SealedAttempt
 from shared_codec.transport.store import DirectoryStore, TransportError
 
 
@@ -214,7 +214,7 @@ def stream_spool(
 
 
 class SpoolSource:
-    """`seam.PayloadSource` on a relay node's spool (spec kind ``spool``)."""
+    """`base.PayloadSource` on a relay node's spool (spec kind ``spool``)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
