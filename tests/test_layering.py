@@ -91,3 +91,104 @@ def test_scan_catches_planted_imports(tmp_path: Path) -> None:
         "megatron_dcr_hooks/f.py:1: megatron_dcr_hooks imports vllm_dcr_plugin",
         "megatron_dcr_hooks/g.py:1: megatron_dcr_hooks imports dcr_tools.procs",
     ]
+
+
+# -- no import circle ----------------------------------------------------------------------------
+def module_graph(root: Path) -> dict[str, set[str]]:
+    """Product module -> the product modules it imports (module level and inside functions,
+    ``from pkg import sub`` as the submodule; imports under ``if TYPE_CHECKING:`` are not run
+    and do not count)."""
+    modules: dict[str, Path] = {}
+    for package in PRODUCT:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skipped = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    if sub in modules:
+                        deps.add(sub)
+                    elif node.module in modules:
+                        deps.add(node.module)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_circle_between_product_modules() -> None:
+    graph = module_graph(REPO)
+    assert len(graph) > 50, sorted(graph)  # the scan sees the packages
+    assert circles(graph) == []
+
+
+def test_circle_scan_catches_planted_circles(tmp_path: Path) -> None:
+    plants = {
+        "shared_codec/__init__.py": "",
+        "shared_codec/a.py": "from shared_codec import b\n",
+        "shared_codec/b.py": "def f():\n    from shared_codec.a import g\n",  # inside a function
+        "shared_codec/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from shared_codec.d import x\n",
+        "shared_codec/d.py": "from shared_codec.c import y\n",  # c -> d only for the type checker
+        "vllm_dcr_plugin/__init__.py": "def __getattr__(n):\n    from vllm_dcr_plugin import e\n",
+        "vllm_dcr_plugin/e.py": "from vllm_dcr_plugin import VERSION\n",  # -> the package
+        "megatron_dcr_hooks/__init__.py": "",
+    }
+    for rel, text in plants.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert circles(module_graph(tmp_path)) == [
+        ["shared_codec.a", "shared_codec.b"],
+        ["vllm_dcr_plugin", "vllm_dcr_plugin.e"],
+    ]

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from shared_codec.coordination.protocol import PROTOCOL_VERSION
 from shared_codec.errors import DCRError, ProtocolError
 from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
 from vllm_dcr_plugin import worker as dcr_worker
@@ -96,7 +95,6 @@ def _rpc(fn: F) -> F:
                 "rank": int(rank),
                 "error": f"{type(e).__name__}: {e}",
                 "rpc": fn.__name__,
-                "protocol": PROTOCOL_VERSION,
             }
         except Exception as e:
             rank = getattr(self, "rank", 0)
@@ -106,12 +104,10 @@ def _rpc(fn: F) -> F:
                 "rank": int(rank),
                 "error": f"{type(e).__name__}: {e}",
                 "rpc": fn.__name__,
-                "protocol": PROTOCOL_VERSION,
                 "internal": True,
             }
         out.setdefault("ok", True)
         out["rpc"] = fn.__name__
-        out["protocol"] = PROTOCOL_VERSION
         return out
 
     return wrapper  # type: ignore[return-value]

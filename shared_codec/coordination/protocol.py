@@ -16,9 +16,10 @@ Exchanges (docs/protocol.md has the state machines):
   `OwnerReply` envelope (``ok``, ``error``, ``error_type``: a class of the DCR error tree) around
   `BuildReply`, `VerifyReply`, `CommitReply`, `AbortReply` or `StatusReply`.
 
-Versions: every envelope carries ``protocol`` (`PROTOCOL_VERSION`); version 1 is the format the
-envelopes had before the field existed, so an envelope without it is version 1, and any other
-version is refused.
+Versions: an envelope names its protocol version in ``protocol`` (`PROTOCOL_VERSION`). Version
+1 is the format the envelopes had before the field existed: its senders may leave the field
+out (the receivers' ``dcr_*`` replies and native reports do), and an envelope without it is
+version 1. Any other version is refused; a later version's senders must send the field.
 
 Limitations:
 1. A rank's free-form reports (the prewarm capability report, status, metrics) travel in the

@@ -25,7 +25,6 @@ import json
 import time
 from typing import Any
 
-from shared_codec.coordination.protocol import PROTOCOL_VERSION
 from shared_codec.errors import DCRError
 from shared_codec.transport.base import ObjectStore
 
@@ -53,9 +52,8 @@ def restore_step(version: int, session: str) -> str:
 
 
 def write(store: ObjectStore, engine: str, step: str, rank: int, report: dict[str, Any]) -> None:
-    """Write one rank's report (a `RankReport` on the wire: the protocol version is added)."""
-    body = {**report, "protocol": PROTOCOL_VERSION}
-    store.put(key(engine, step, rank), json.dumps(body, sort_keys=True).encode())
+    """Write one rank's report (a `RankReport` on the wire, protocol version 1)."""
+    store.put(key(engine, step, rank), json.dumps(report, sort_keys=True).encode())
 
 
 def collect(
