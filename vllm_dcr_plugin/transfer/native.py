@@ -122,7 +122,7 @@ class NativeChannel:
         self.session_open, self.applied = False, None
         step = reports.init_step(session)
         first = reports.collect(self.control, self.name, step, world_size=1)[0]
-        self.world_size = int(first.get("world_size", 1))
+        self.world_size = RankReport.parse(first, what=f"engine {self.name} init report").world_size
         got = self._collect(step)
         self._raise_failed("init", got)
         self.last_digest = self._combined(got)
