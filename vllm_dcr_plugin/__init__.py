@@ -1,10 +1,10 @@
 """vllm_dcr_plugin: the receiver side of DCR, as a vLLM general plugin plus a worker extension.
 
 - ``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in every process
-  (API server, engine core, workers), possibly several times; it is re-entrant. It installs the
-  conditional CPU loader condition (vllm_dcr_plugin.cpu_compat), the post-load derived-tensor
-  tracing (vllm_dcr_plugin.derived), the worker glue
-  (vllm_dcr_plugin.worker: pause tracking, the shared receiver) and registers the weight-transfer
+  (API server, engine core, workers), possibly several times; it is re-entrant. It installs
+  DCR's patches of vLLM internals, all listed in vllm_dcr_plugin.patches: the conditional CPU
+  loader condition (cpu_compat), the post-load derived-tensor tracing (derived) and the worker
+  glue (worker: pause tracking, the shared receiver); and it registers the weight-transfer
   backend ``dcr`` with vLLM's worker and trainer factories (vllm_dcr_plugin.transfer).
 - Front door 1: ``DCRWorkerExtension`` is what ``vllm serve --worker-extension-cls
   vllm_dcr_plugin.DCRWorkerExtension`` (or ``LLM(worker_extension_cls=...)``) mixes into each
@@ -32,22 +32,12 @@ def register() -> None:
     _registered["count"] += 1
     if _registered["count"] > 1:
         return
-    from vllm_dcr_plugin import cpu_compat, worker
+    try:  # each patch that fails is logged and left out (patches.install_all)
+        from vllm_dcr_plugin import patches
 
-    try:
-        cpu_compat.install()
+        patches.install_all()
     except Exception:  # a plugin must never take the engine down at import
-        logger.exception("DCR plugin: CPU loader condition not installed")
-    try:
-        from vllm_dcr_plugin import derived
-
-        derived.install()
-    except Exception:
-        logger.exception("DCR plugin: derived-tensor tracing not installed")
-    try:
-        worker.install()
-    except Exception:
-        logger.exception("DCR plugin: worker glue not installed")
+        logger.exception("DCR plugin: vLLM patches not installed")
     try:
         from vllm_dcr_plugin.transfer import register_backends
 

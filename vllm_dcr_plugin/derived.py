@@ -7,7 +7,7 @@ right, so the forward pass would not match a dense load. This module finds them 
 them; nothing here knows a model.
 
 How they are found (`trace`, run around vLLM's ``process_weights_after_loading`` by
-`install` whenever DCR serves the process): every tensor reachable from the model (parameters, buffers,
+`traced_post_load`, installed by patches.py, whenever DCR serves the process): every tensor reachable from the model (parameters, buffers,
 plain tensor attributes of modules and of the plain helper objects they hold, such as an
 attention layer's ``impl``) is listed before and after the post-load step. The step runs under
 a dispatch mode that gives each op's outputs the union of its inputs' sources (the model
@@ -27,7 +27,8 @@ for the affected layers only (`rederive_touched`). ``dcr_digest`` covers derived
 (`attribute_digests`).
 
 Limitations:
-1. Checked on vLLM 0.32 (cpu_compat.check_version's pin): the unit signatures above are 0.32's.
+1. Checked on vLLM 0.32 (the pin of its patch in patches.py): the unit signatures above are
+   0.32's.
 2. A derived tensor written outside a unit (a model-level post-load hook) cannot be re-derived:
    its canonical tensors are refused.
 3. Sources are tracked by storage: a freed intermediate whose storage is reused inherits no
@@ -95,7 +96,6 @@ class DerivedPlan:
 
 
 _tables: weakref.WeakKeyDictionary[torch.nn.Module, DerivedTable] = weakref.WeakKeyDictionary()
-_state: dict[str, Any] = {"installed": False}
 
 
 def remember(model: torch.nn.Module, table: DerivedTable) -> None:
@@ -428,18 +428,13 @@ def attribute_digests(model: torch.nn.Module, named: set[str]) -> dict[str, str]
     return {f"derived:{n}": d for n, d in digests(model, extra).items()}
 
 
-def install() -> bool:
-    """Trace vLLM's ``process_weights_after_loading`` in processes that serve DCR (idempotent).
-    Returns True when installed now."""
-    if _state["installed"]:
-        return False
-    from vllm.model_executor.model_loader import base_loader, utils
-
+def traced_post_load(original: Callable[..., None]) -> Callable[..., None]:
+    """The replacement of vLLM's ``process_weights_after_loading(model, model_config,
+    target_device)`` (installed by patches.py): in a process that serves DCR it runs the step
+    under `trace` and remembers the table; elsewhere it is the original."""
     from vllm_dcr_plugin import cpu_compat
 
-    cpu_compat.check_version()
-    original = utils.process_weights_after_loading
-
+    @functools.wraps(original)
     def process_weights_after_loading(model: Any, model_config: Any, target_device: Any) -> None:
         if not cpu_compat.dcr_enabled():
             return original(model, model_config, target_device)
@@ -454,8 +449,4 @@ def install() -> bool:
         )
         return None
 
-    process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
-    utils.process_weights_after_loading = process_weights_after_loading
-    base_loader.process_weights_after_loading = process_weights_after_loading  # type: ignore[attr-defined]
-    _state["installed"] = True
-    return True
+    return process_weights_after_loading
