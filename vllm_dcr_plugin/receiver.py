@@ -95,7 +95,7 @@ class Receiver:
         self.metrics = ReceiverMetrics(
             self._rank, port=config.metrics_port, addr=config.metrics_addr
         )
-        # canonical tensor -> the post-load units that re-derive what it feeds (derived.py)
+        # what prewarm found to re-derive after each apply, and what it refused (derived.py)
         self.derived = derived.DerivedPlan()
 
     @property
@@ -235,19 +235,13 @@ class Receiver:
         overwrite_only: bool = False,
     ) -> dict[str, Any]:
         """Fetch and stage every payload of the attempt from a store or a relay node's spool
-        (sources.py); returns counts and staging results. A rejected payload fails the fetch
-        (nothing of it is applied); with `overwrite_only` an XOR item is such a rejection.
-        The set the attempt's seal names is recorded (`StagingArea.seal`): the attempt must
-        hold exactly that set (a missing or an extra payload fails the fetch with
-        `ProtocolError`, nothing applied), and a later `apply` of the attempt is held to it.
-
-        Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
-        and applied as soon as they are staged and no further payload is already waiting (what
-        has arrived is applied together), so payload l is applied while l + 1 is still built or
-        in flight; the result then carries the attempt's merged ACK under
-        ``"ack"`` (as `apply` returns it) and the receiver is ``applied`` (``dirty`` after a
-        failure). A fetch error after part of the attempt was applied leaves it ``dirty``, as
-        does a final set that is not the sealed set (checked before the closing apply)."""
+        (the loop: sources.fetch_attempt); returns counts. A rejected payload fails the fetch
+        (with `overwrite_only` an XOR item is one); the attempt must hold exactly the set its
+        seal names (`ProtocolError` otherwise, nothing applied), and a later `apply` of the
+        attempt is held to it. Pipelined (``apply`` given: ``{"verify": bool}``): payloads are
+        applied as they arrive; the result carries the attempt's merged ACK under ``"ack"``
+        and the receiver is ``applied``, or ``dirty`` after a failure once part of the attempt
+        was applied (also when the final set is not the sealed set)."""
         self._require_prewarm()
         t0 = time.perf_counter()
         spec = json.loads(store_spec) if isinstance(store_spec, str) else dict(store_spec)

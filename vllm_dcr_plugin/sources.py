@@ -14,7 +14,8 @@ is the set the seal names, as staging's `SealedSet` (the receiver applies exactl
 of each step is a `FetchSteps`): every payload is staged (a rejected one fails the fetch,
 nothing of it applied); not streaming, the seal is read first and the staged set must be
 exactly the sealed one; streaming (pipelined), what has arrived is applied whenever no further
-payload is already waiting, and the closing part is applied once the stream ended at the seal.
+payload is already waiting (so payload l is applied while l + 1 is still built or in flight),
+and the closing part is applied once the stream ended at the seal.
 The receiver's optional observer (observer.py) is told about the call and each payload.
 
 A spec that `open_source` refuses raises `ProtocolError` (nothing fetched); the RPC boundary
