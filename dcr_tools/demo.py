@@ -46,6 +46,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dcr_tools import faults
 from dcr_tools.demo_report import TABLE_NOTE, table_header, table_row, verdict, write_report
 from dcr_tools.procs import (
     ServeProcess,
@@ -61,7 +62,6 @@ from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError
 from shared_codec.transport.spec import open_store
-from vllm_dcr_plugin import faults
 
 PROMPTS = [
     "The policy update",
@@ -224,8 +224,8 @@ class Demo:
                 env=env,
             )
         )
-        # --kill-every arms a test-only fault plan (vllm_dcr_plugin.faults) the rollout names
-        plan = {faults.ENV: str(self.fault_plan)}
+        # --kill-every arms a test-only fault plan (dcr_tools.faults) the rollout names
+        plan = faults.environment(self.fault_plan)
         self.servers = [
             ServeProcess(
                 model,

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from dcr_tools import faults
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.errors import DCRError
 
@@ -35,7 +36,8 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """The environment for child programs: offline hub, repo on PYTHONPATH, small KV cache."""
+    """The environment for child programs: offline hub, repo on PYTHONPATH, small KV cache;
+    where it names a fault plan (``DCR_FAULT_PLAN``), the observer that fires it too."""
     env = dict(os.environ)
     env.update(
         {
@@ -50,6 +52,8 @@ def base_env(**extra: str) -> dict[str, str]:
         }
     )
     env.update(extra)
+    if faults.ENV in env:  # a fault plan is only fired by its receiver observer
+        env.setdefault(faults.OBSERVER_ENV, faults.OBSERVER)
     return env
 
 

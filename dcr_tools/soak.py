@@ -11,7 +11,7 @@ deterministic batch), ``Coordinator.refit`` (pipelined, retention with the coord
 default ``keep_versions``), the trainer's HF export of the new version, a dense load of that
 export on the reference engine, and the rollout engine's digest compared with the reference's
 (``bit_exact``). Every ``--kill-every`` K refits (at refits K/2, K/2 + K, ...) the rollout
-engine is armed to die mid-apply (the test-only fault plan `vllm_dcr_plugin.faults`, as
+engine is armed to die mid-apply (the test-only fault plan `dcr_tools.faults`, as
 ``dcr demo --kill-every``): the coordinator fences the attempt, restarts and dense-loads the
 engine and retries with overwrites; that refit must take exactly two attempts.
 
@@ -56,11 +56,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dcr_tools import faults
 from dcr_tools.demo import Demo
 from shared_codec.coordination.commit import PREFIX as COMMITS
 from shared_codec.coordination.coordinator import RefitFailed
 from shared_codec.errors import DCRError
-from vllm_dcr_plugin import faults
 
 METRICS = ("rss_mib", "fds", "threads", "disk_kib")
 # rows of the test S3 endpoint (``moto_server`` and its children): not a DCR process, so its own

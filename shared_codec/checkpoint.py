@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from shared_codec.errors import ProtocolError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -137,3 +139,29 @@ def tensor_table(path: str | os.PathLike[str]) -> list[list]:
                     )
                 table.append([name, dtype, list(sl.get_shape())])
     return sorted(table)
+
+
+def header_shapes(path: str | os.PathLike[str]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(file name, tensor name, shape) of every tensor of the checkpoint directory `path`, from
+    the safetensors headers only (no tensor data read); nothing for a directory without files."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield f.name, name, tuple(sf.get_slice(name).get_shape())
+
+
+def check_shapes(
+    path: str | os.PathLike[str], expected: Mapping[str, tuple[int, ...]], what: str
+) -> None:
+    """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at `path`
+    that `expected` (the prewarm table: name -> shape) names has another shape: a checkpoint of
+    another model would stop a loader part-way. Reads the files' headers only."""
+    for file, name, shape in header_shapes(path):
+        want = expected.get(name)
+        if want is not None and shape != tuple(want):
+            raise ProtocolError(
+                f"{what}: tensor {name} in {file} has shape {list(shape)}, the prewarm table "
+                f"says {list(want)} (a checkpoint of another model?); nothing loaded"
+            )

@@ -8,8 +8,7 @@ an RPC or wire boundary are `ProtocolError` / `PayloadError`.
     ├── PayloadError          a payload failed validation (nothing staged or applied)
     ├── ProtocolError         a call out of order or with bad arguments (nothing changed)
     ├── LoaderConditionError  the loader path cannot apply exactly (refused at prewarm, or the
-    │   │                     attempt failed and needs an overwrite retry)
-    │   └── InjectedFailure   test-only fault plan (vllm_dcr_plugin.faults)
+    │                         attempt failed and needs an overwrite retry)
     ├── CompatibilityError    a dependency version the compatibility layers were not checked on
     ├── TransportError        a transport operation failed after its retries
     │   └── RelayMessageError a malformed relay message (refused, not acted on)
@@ -52,11 +51,6 @@ class LoaderConditionError(DCRError):
     Raised at prewarm (before any write) or during an attempt; in the latter case the attempt is
     reported failed and must be retried with overwrites.
     """
-
-
-class InjectedFailure(LoaderConditionError):
-    """Fault injection (``fail_after_items``): raised before the loader pulls the next item.
-    State left behind: the items applied before it (a partial apply; the receiver is dirty)."""
 
 
 class CompatibilityError(DCRError):

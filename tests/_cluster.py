@@ -9,13 +9,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from dcr_tools import faults
 from dcr_tools.procs import ServeProcess, base_env, free_port, kill_group, start_rl_job
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.transport.store import DirectoryStore
-from vllm_dcr_plugin import faults
 
 
 class Cluster:

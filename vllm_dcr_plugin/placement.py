@@ -26,6 +26,11 @@ a DCR-written rule. What is not replayed (it keeps going through the loader, app
 `verify_plan` (receiver.py, ``dcr_verify_plan``) re-traces the loader and compares the fresh
 plan with the kept one entry by entry.
 
+`Placement` is what a receiver holds: its `PlacementMode` (``plan``: replay the recorded plan,
+the default; ``loader``: every item through ``load_weights``, each direct-path one counted as a
+``loader_mode`` fall back) and the plan its latest trace recorded. The start-up mode comes from
+the receiver's config (``DCR_PLACEMENT``, config.py); ``dcr_set_placement`` changes it.
+
 Limitations:
 1. The trace is per tensor, in isolation (capability.py, limitation 1); so is the replay.
 2. A loader whose placement depends on the item's values (the trace and the loader path both
@@ -39,14 +44,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
 
 import torch
 
 from shared_codec.records import DeltaItem
 from vllm_dcr_plugin.intercept import INT_DTYPES, ViewGeom, WriteRecord, tensors_of
 
-MODES = ("plan", "loader")
-ENV_MODE = "DCR_PLACEMENT"  # "plan" (default) or "loader" (every item through load_weights)
+
+class PlacementMode(StrEnum):
+    """How direct-path items are placed: replayed from the plan, or through the loader."""
+
+    PLAN = "plan"
+    LOADER = "loader"
+
+    @classmethod
+    def parse(cls, value: str, what: str) -> PlacementMode:
+        """`value` as a mode; `ValueError` naming `what` (where it came from) otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"placement mode {value!r} ({what}): expected one of {MODES}"
+            ) from None
+
+
+MODES = tuple(m.value for m in PlacementMode)  # the plain strings the RPCs take
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,3 +261,31 @@ def replay_items(
             params.add(e.param)
         out.append((n, params))
     return out
+
+
+@dataclass(slots=True)
+class Placement:
+    """A receiver's placement: the mode and the plan of its latest loader trace (None before
+    prewarm). Replayed only in mode ``plan`` (`replayed`)."""
+
+    mode: PlacementMode = PlacementMode.PLAN
+    plan: PlacementPlan | None = None
+
+    def replayed(self) -> PlacementPlan | None:
+        """The plan applies replay (None: every item through the loader)."""
+        return self.plan if self.mode is PlacementMode.PLAN else None
+
+    def set_mode(self, mode: PlacementMode) -> PlacementMode:
+        """Switch to `mode`; returns the previous mode."""
+        previous, self.mode = self.mode, mode
+        return previous
+
+    def report(self) -> dict[str, Any]:
+        """The plan counts of the prewarm and ``dcr_verify_plan`` replies (plain values)."""
+        plan = self.plan or PlacementPlan()
+        return {
+            "placement": self.mode.value,
+            "planned": len(plan.tensors),
+            "plan_entries": sum(len(e) for e in plan.tensors.values()),
+            "plan_excluded": dict(sorted(plan.excluded.items())),
+        }

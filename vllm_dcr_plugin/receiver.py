@@ -2,11 +2,13 @@
 
 Works on any ``torch.nn.Module`` with a vLLM-style ``load_weights(iterable of (name, tensor))``;
 `DCRWorkerExtension` holds one per vLLM worker and validates RPC arguments before calling it.
-Who does what: states and their transitions are state.py, the prewarm probe capability.py,
-validation and dedupe staging.py, payload sources sources.py, the in-place application
-apply.py, the ACK ack.py, test-only fault injection faults.py. Every payload must have
-``base_version == committed_version``; ``commit(target)`` moves applied -> clean at the new
-version; ``dense_load(path, version)`` restores clean at any version.
+Who does what: the settings config.py (`ReceiverConfig`, from the worker's environment), states
+and their transitions state.py, the prewarm probe capability.py, placement (mode and plan)
+placement.py, derived tensors derived.py, validation and dedupe staging.py, payload sources and
+the fetch loop sources.py, the in-place application apply.py, the ACK ack.py, the optional
+observer observer.py. Every payload must have ``base_version == committed_version``;
+``commit(target)`` moves applied -> clean at the new version; ``dense_load(path, version)``
+restores clean at any version.
 
 Limitations:
 1. One transition at a time; payloads for the next version are rejected until commit.
@@ -16,7 +18,6 @@ Limitations:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,26 +25,28 @@ from typing import Any
 import torch
 
 from shared_codec import FORMAT_VERSION
-from shared_codec.checkpoint import combined_digest, iter_checkpoint, tensor_digest
+from shared_codec.checkpoint import check_shapes, combined_digest, iter_checkpoint, tensor_digest
 from shared_codec.coordination.protocol import RankAck
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin import derived, faults
+from vllm_dcr_plugin import derived
 from vllm_dcr_plugin.ack import Tally
-from vllm_dcr_plugin.apply import PlanChecks, apply_staged
+from vllm_dcr_plugin.apply import ItemCounter, PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
+from vllm_dcr_plugin.config import ReceiverConfig
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
-from vllm_dcr_plugin.placement import ENV_MODE, MODES, PlacementPlan, current_tensors
-from vllm_dcr_plugin.sources import attempt_payloads, payload_source, sealed_set
-from vllm_dcr_plugin.staging import (
-    SealedSet,
-    StagingArea,
-    TensorSpec,
-    key_from_env,
-    tensor_specs,
+from vllm_dcr_plugin.observer import Call, CallObserver, ReceiverObserver, load_observer
+from vllm_dcr_plugin.placement import (
+    MODES,
+    Placement,
+    PlacementMode,
+    PlacementPlan,
+    current_tensors,
 )
+from vllm_dcr_plugin.sources import FetchSteps, fetch_attempt, payload_source
+from vllm_dcr_plugin.staging import SealedSet, StagingArea, TensorSpec, tensor_specs
 from vllm_dcr_plugin.state import Event, ReceiverState, advance, check_apply
 
 _S = ReceiverState
@@ -51,7 +54,10 @@ log = logging.getLogger(__name__)
 
 
 class Receiver:
-    """Receiver of one rank (see the module docstring). Methods return plain values."""
+    """Receiver of one rank (see the module docstring). Methods return plain values.
+
+    `config`: the receiver's settings (default: `ReceiverConfig.from_env()`); `placement`
+    overrides its start-up placement mode; `observer` overrides the observer its config names."""
 
     def __init__(
         self,
@@ -61,31 +67,46 @@ class Receiver:
         gate: Callable[[], str | None] | None = None,
         loader_condition: Callable[[], str | None] | None = None,
         placement: str | None = None,
+        config: ReceiverConfig | None = None,
+        observer: ReceiverObserver | None = None,
     ) -> None:
-        placement = placement or os.environ.get(ENV_MODE) or "plan"
-        if placement not in MODES:
-            raise ValueError(f"placement mode {placement!r} ({ENV_MODE}): expected one of {MODES}")
-        self.placement = placement
-        self.plan: PlacementPlan | None = None
+        config = config if config is not None else ReceiverConfig.from_env()
+        mode = (
+            config.placement if placement is None else PlacementMode.parse(placement, "placement")
+        )
+        self.config = config
+        self.placing = Placement(mode)
         self.model = model
         self.rank = rank
         self.gate = gate or (lambda: None)
         self.loader_condition = loader_condition or (lambda: None)
+        self.observer = observer if observer is not None else load_observer(config.observer)
         self.tensors: dict[str, TensorSpec] = {}
         self.skipped: set[str] = set()
         self.overwrite_only: dict[str, str] = {}
         self.unsupported: dict[str, str] = {}
         self.scratch: torch.Tensor | None = None
-        self.staging = StagingArea(key=key_from_env())
+        self.staging = StagingArea(key=config.payload_key)
         self.committed_version = 0
         self.state = _S.CLEAN
         self.applying_attempt: int | None = None  # the attempt of state "applying"
         self.target_version: int | None = None
         self.last_ack: RankAck | None = None
-        self.metrics = ReceiverMetrics(int(rank.get("rank", 0)))
-        # canonical tensor -> the post-load units that re-derive what it feeds (derived.py)
-        self.rederive_units: dict[str, set[derived.Unit]] = {}
-        self.derived_refused: dict[str, str] = {}
+        self.metrics = ReceiverMetrics(
+            self._rank, port=config.metrics_port, addr=config.metrics_addr
+        )
+        # what prewarm found to re-derive after each apply, and what it refused (derived.py)
+        self.derived = derived.DerivedPlan()
+
+    @property
+    def placement(self) -> PlacementMode:
+        """The current placement mode (equal to its string, ``"plan"`` or ``"loader"``)."""
+        return self.placing.mode
+
+    @property
+    def plan(self) -> PlacementPlan | None:
+        """The placement plan of the latest loader trace (None before prewarm)."""
+        return self.placing.plan
 
     @property
     def _rank(self) -> int:
@@ -110,8 +131,11 @@ class Receiver:
         self.scratch, self.tensors = scratch, specs
         self.skipped = set(caps.skipped)
         self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
-        self.plan = caps.plan
-        derived_report = self._plan_derived(caps.writes)
+        self.placing.plan = caps.plan
+        self.derived = derived.plan_rederive(self.model, caps.writes)
+        for name, why in self.derived.refused.items():
+            self.unsupported[name] = why
+            self.overwrite_only.pop(name, None)
         self.committed_version = int(committed_version)
         self.state = after
         self.staging.new_transition()
@@ -124,84 +148,8 @@ class Receiver:
             "unsupported": dict(sorted(self.unsupported.items())),
             "scratch_bytes": int(scratch.numel()),
             "committed_version": self.committed_version,
-            **self._plan_report(),
-            "derived": derived_report,
-        }
-
-    def _plan_derived(self, writes: dict[str, frozenset[str]]) -> dict[str, Any]:
-        """Map canonical tensors to the post-load units that re-derive the derived tensors
-        their loader writes feed (derived.py); verify each unit once; refuse (``unsupported``,
-        naming layer and tensor) what cannot be re-derived. Returns the report."""
-        self.rederive_units = {}
-        table = derived.table_for(self.model)
-        if table is None:
-            log.warning(
-                "dcr_prewarm: this model's post-load step was not traced (not loaded through "
-                "vLLM's loader with DCR enabled): derived tensors cannot be checked"
-            )
-            return {"traced": False, "tensors": [], "views": [], "refused": 0}
-        by_source: dict[str, list[derived.Derived]] = {}
-        for d in table.derived.values():
-            for src in d.sources:
-                by_source.setdefault(src, []).append(d)
-        refused: dict[str, str] = {}
-        loaded = set().union(*writes.values()) if writes else set()
-        for name, params in writes.items():
-            feeds = [d for p in sorted(params) for d in by_source.get(p, [])]
-            # a loader destination rewritten in place: its resident bits are not loader layout
-            bad = next(
-                (d for d in feeds if d.unit is None or (d.rewritten and d.path in loaded)), None
-            )
-            if bad is not None:
-                how = "rewritten in place" if bad.rewritten else "derived outside a layer's step"
-                refused[name] = (
-                    f"feeds derived tensor {bad.path} ({how} by process_weights_after_loading); "
-                    "DCR cannot re-derive it after an in-place apply"
-                )
-            elif feeds:
-                self.rederive_units[name] = {d.unit for d in feeds if d.unit is not None}
-        units = set().union(*self.rederive_units.values()) if self.rederive_units else set()
-        for unit in sorted(units):
-            why = derived.verify_unit(self.model, table, unit)
-            if why is None:
-                continue
-            for name, us in list(self.rederive_units.items()):
-                if unit in us:
-                    del self.rederive_units[name]
-                    refused[name] = f"feeds derived tensors of {unit[1]} ({unit[0]} step): {why}"
-        self.derived_refused = refused
-        for name, why in refused.items():
-            log.warning("dcr_prewarm: refusing %s: %s", name, why)
-            self.unsupported[name] = why
-            self.overwrite_only.pop(name, None)
-        return {
-            "traced": True,
-            "tensors": sorted(table.derived),
-            "views": sorted(table.views),
-            "units": sorted(f"{k}:{p}" for k, p in units),
-            "rederived_tensors": len(self.rederive_units),
-            "refused": len(refused),
-        }
-
-    def _rederive(self, names: set[str] | None) -> None:
-        """Re-run the post-load units fed by `names` (all of them for None). A pipelined fetch
-        re-runs them after each part that touches their tensors."""
-        table = derived.table_for(self.model)
-        if table is None or not self.rederive_units:
-            return
-        units: set[derived.Unit] = set()
-        for name, us in self.rederive_units.items():
-            if names is None or name in names:
-                units |= us
-        derived.rederive(self.model, units, table.act_dtype)
-
-    def _plan_report(self) -> dict[str, Any]:
-        plan = self.plan or PlacementPlan()
-        return {
-            "placement": self.placement,
-            "planned": len(plan.tensors),
-            "plan_entries": sum(len(e) for e in plan.tensors.values()),
-            "plan_excluded": dict(sorted(plan.excluded.items())),
+            **self.placing.report(),
+            "derived": dict(self.derived.report),
         }
 
     def set_placement(self, mode: str) -> dict[str, Any]:
@@ -210,9 +158,9 @@ class Receiver:
         ``loader_mode`` fall back). Returns the previous and the new mode."""
         if mode not in MODES:
             raise ProtocolError(f"placement mode {mode!r}: expected one of {MODES}")
-        previous, self.placement = self.placement, mode
-        log.info("placement mode %s -> %s", previous, mode)
-        return {**self.rank, "previous": previous, "placement": mode}
+        previous = self.placing.set_mode(PlacementMode(mode))
+        log.info("placement mode %s -> %s", previous.value, mode)
+        return {**self.rank, "previous": previous.value, "placement": mode}
 
     def verify_plan(self) -> dict[str, Any]:
         """Re-trace the loader for every registered tensor (side-effect free, as prewarm) and
@@ -223,11 +171,11 @@ class Receiver:
         gate = self.gate()
         if gate:
             raise ProtocolError(f"request gate closed for verify_plan: {gate}")
-        old = self.plan or PlacementPlan()
+        old = self.placing.plan or PlacementPlan()
         stale = old.stale(current_tensors(self.model, old.params))
         caps = probe(self.model, self.tensors, scratch, self.loader_condition())
         diff = old.differences(caps.plan)
-        refused = self.derived_refused  # refusals for derived tensors stand (prewarm)
+        refused = self.derived.refused  # refusals for derived tensors stand (prewarm)
         unsupported = {**caps.unsupported, **refused}
         overwrite_only = {n: w for n, w in caps.overwrite_only.items() if n not in refused}
         classes_changed = (
@@ -235,7 +183,7 @@ class Receiver:
             or overwrite_only != self.overwrite_only
             or unsupported != self.unsupported
         )
-        self.plan = caps.plan
+        self.placing.plan = caps.plan
         self.skipped = set(caps.skipped)
         self.overwrite_only, self.unsupported = overwrite_only, unsupported
         if diff:
@@ -251,7 +199,7 @@ class Receiver:
             "differences": diff,
             "stale_before": stale,
             "classes_changed": classes_changed,
-            **self._plan_report(),
+            **self.placing.report(),
         }
 
     def _require_prewarm(self) -> torch.Tensor:
@@ -287,70 +235,39 @@ class Receiver:
         overwrite_only: bool = False,
     ) -> dict[str, Any]:
         """Fetch and stage every payload of the attempt from a store or a relay node's spool
-        (sources.py); returns counts and staging results. A rejected payload fails the fetch
-        (nothing of it is applied); with `overwrite_only` an XOR item is such a rejection.
-        The set the attempt's seal names is recorded (`StagingArea.seal`): the attempt must
-        hold exactly that set (a missing or an extra payload fails the fetch with
-        `ProtocolError`, nothing applied), and a later `apply` of the attempt is held to it.
-
-        Pipelined (``apply`` given: ``{"verify": bool}``): payloads are taken as they appear
-        and applied as soon as they are staged and no further payload is already waiting (what
-        has arrived is applied together), so payload l is applied while l + 1 is still built or
-        in flight; the result then carries the attempt's merged ACK under
-        ``"ack"`` (as `apply` returns it) and the receiver is ``applied`` (``dirty`` after a
-        failure). A fetch error after part of the attempt was applied leaves it ``dirty``, as
-        does a final set that is not the sealed set (checked before the closing apply)."""
+        (the loop: sources.fetch_attempt); returns counts. A rejected payload fails the fetch
+        (with `overwrite_only` an XOR item is one); the attempt must hold exactly the set its
+        seal names (`ProtocolError` otherwise, nothing applied), and a later `apply` of the
+        attempt is held to it. Pipelined (``apply`` given: ``{"verify": bool}``): payloads are
+        applied as they arrive; the result carries the attempt's merged ACK under ``"ack"``
+        and the receiver is ``applied``, or ``dirty`` after a failure once part of the attempt
+        was applied (also when the final set is not the sealed set)."""
         self._require_prewarm()
         t0 = time.perf_counter()
         version, attempt, pipelined = int(version), int(attempt), apply is not None
         source = payload_source(store_spec, key=self.staging.key)
-        # not pipelined: the seal first, so the set to apply is known before anything is staged
-        sealed = None if pipelined else sealed_set(source, version, attempt, float(timeout_s))
-        payloads = attempt_payloads(source, version, attempt, float(timeout_s), streaming=pipelined)
-        armed = faults.take(self._rank, "pipelined" if pipelined else "fetch")
-        out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
-        acks: list[RankAck] = []
         verify = bool((apply or {}).get("verify", False))
-        arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)
-
         checks = PlanChecks()  # each planned parameter resolved and checked once per fetch
 
-        def part(final: bool) -> None:
-            # a kill fires in the tail while its item count is not past (kill after K items
-            # with exactly K applied in earlier parts fires before the tail's first item; a tail
-            # with no items is the attempt already in: nothing fires); when everything arrived
-            # together, the tail is the whole apply
-            done = sum(a.items for a in acks)
-            kill = armed.kill_after_items
-            left = armed.remaining(done, kill=not final or (kill is not None and kill >= done))
-            acks.append(self._metered(attempt, verify, left, final=final, checks=checks))
+        def part(final: bool, watch: CallObserver | None) -> RankAck:
+            return self._metered(attempt, verify, watch, final=final, checks=checks)
 
+        steps = FetchSteps(
+            stage=lambda payload: self.stage([payload], overwrite_only),
+            seal=self.staging.seal,
+            check_sealed=lambda: self.staging.take(attempt),
+            apply=part if pipelined else None,
+        )
         try:
-            for payload in payloads:
-                if armed.kill_after_payloads is not None:
-                    if out["payloads"] >= armed.kill_after_payloads:
-                        faults.kill_self()
-                res = self.stage([payload], overwrite_only)
-                if res["rejected"]:
-                    raise PayloadError(f"fetched payload rejected: {res['rejected'][0]['reason']}")
-                out["payloads"] += 1
-                out["bytes"] += len(payload)
-                out["staged"] += len(res["staged"])
-                out["duplicates"] += len(res["duplicates"])
-                # batch what has arrived: apply once nothing more is waiting
-                if pipelined and res["staged"] and not arrived():
-                    part(final=False)
-                    if not acks[-1].ok:
-                        break
-            out["fetch_seconds"] = time.perf_counter() - t0
-            if sealed is None and (not acks or acks[-1].ok):  # the stream ended at the seal
-                sealed = sealed_set(source, version, attempt, float(timeout_s))
-            if sealed is not None:
-                self.staging.seal(sealed)
-                if not pipelined:
-                    self.staging.take(attempt)  # exactly the sealed set, or ProtocolError
-            if pipelined and (not acks or acks[-1].ok):
-                part(final=True)
+            out, acks = fetch_attempt(
+                source,
+                version,
+                attempt,
+                float(timeout_s),
+                steps,
+                rank=self._rank,
+                observer=self.observer,
+            )
         except BaseException:
             if self.state == _S.APPLYING:  # part of the attempt is in the weights
                 self.state = advance(self.state, Event.FAILED)
@@ -372,20 +289,20 @@ class Receiver:
         the committed version, or the attempt does not hold exactly its sealed set (`expect`,
         and the seal a fetch recorded: ids, count, version and base version; staging.py). A
         failure part-way leaves the receiver ``dirty``."""
-        armed = faults.take(self._rank, "apply")
-        return self._metered(int(attempt), bool(verify), armed, final=True, expect=expect).to_wire()
+        watch = None if self.observer is None else self.observer.begin(self._rank, Call.APPLY)
+        return self._metered(int(attempt), bool(verify), watch, final=True, expect=expect).to_wire()
 
     def _metered(
         self,
         attempt: int,
         verify: bool,
-        armed: faults.Faults,
+        watch: CallObserver | None,
         final: bool,
         expect: SealedSet | None = None,
         checks: PlanChecks | None = None,
     ) -> RankAck:
         t0 = time.perf_counter()
-        ack = self._apply(attempt, verify, armed, final, expect, checks)
+        ack = self._apply(attempt, verify, watch, final, expect, checks)
         self.metrics.applied(ack.to_wire(), time.perf_counter() - t0)
         self.last_ack = ack
         return ack
@@ -394,15 +311,16 @@ class Receiver:
         self,
         attempt: int,
         verify: bool,
-        armed: faults.Faults,
+        watch: CallObserver | None,
         final: bool,
         expect: SealedSet | None = None,
         checks: PlanChecks | None = None,
     ) -> RankAck:
         """See `apply`. ``final=False`` (pipelined fetch): more payloads of the attempt may
         follow; the receiver is then ``applying`` instead of ``applied`` (a recorded seal then
-        refuses only payloads beyond it). `checks`: the plan state of the fetch's earlier parts
-        (apply.PlanChecks), None for a fresh one."""
+        refuses only payloads beyond it). `watch`: the call's observer (told before each item);
+        `checks`: the plan state of the fetch's earlier parts (apply.PlanChecks), None for a
+        fresh one."""
         scratch = self._require_prewarm()
         gate = self.gate()
         if gate:
@@ -432,6 +350,7 @@ class Receiver:
             has_xor=has_xor,
         )
         tally = Tally(attempt=attempt, rank=self._rank, target_version=target, verify=verify)
+        touched = {it.name for p in staged for it in p.header.items}
         t_start = time.perf_counter()
         try:
             apply_staged(
@@ -443,17 +362,17 @@ class Receiver:
                 skipped=self.skipped,
                 masked=set(self.overwrite_only),
                 verify=verify,
-                counter=faults.ItemFaults(armed),
-                plan=self.plan if self.placement == "plan" else None,
+                counter=ItemCounter(watch),
+                plan=self.placing.replayed(),
                 checks=checks,
             )
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
             self.metrics.placed(tally)
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
-                self._rederive({it.name for p in staged for it in p.header.items})
+                derived.rederive_touched(self.model, self.derived, touched)
             return tally.ack(ok=False, error=f"{type(e).__name__}: {e}")
-        self._rederive({it.name for p in staged for it in p.header.items})
+        derived.rederive_touched(self.model, self.derived, touched)
         tally.total_s = time.perf_counter() - t_start
         self.metrics.placed(tally)
         if verify and tally.mismatches:
@@ -499,11 +418,8 @@ class Receiver:
         """Per-name digests of every parameter and buffer of this rank, and a combined one."""
         per = {n: tensor_digest(t) for n, t in self.model.named_parameters()}
         per.update({f"buffer:{n}": tensor_digest(t) for n, t in self.model.named_buffers()})
-        table = derived.table_for(self.model)  # derived tensors that are plain attributes
-        if table is not None:
-            named = set(per) | {n.removeprefix("buffer:") for n in per}
-            extra = set(table.derived) - named
-            per.update({f"derived:{n}": d for n, d in derived.digests(self.model, extra).items()})
+        named = set(per) | {n.removeprefix("buffer:") for n in per}
+        per.update(derived.attribute_digests(self.model, named))  # derived plain attributes
         return {**self.rank, "digest": combined_digest(per), "tensors": per}
 
     def dense_load(self, path: str, version: int) -> dict[str, Any]:
@@ -523,7 +439,7 @@ class Receiver:
                 f"is dirty at committed version {self.committed_version}: dense-load a good "
                 "checkpoint or retry with overwrites"
             ) from None
-        self._rederive(None)
+        derived.rederive_touched(self.model, self.derived, None)
         self.metrics.dense_loads.inc()
         self.metrics.committed.set(int(version))
         self.committed_version = int(version)
@@ -551,23 +467,8 @@ class Receiver:
         """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at
         `path` that the prewarm table names has another shape: a checkpoint of another model
         would stop the loader part-way. Reads the files' headers only."""
-        if not self.tensors:
-            return
-        from pathlib import Path
-
-        from safetensors import safe_open
-
-        for f in sorted(Path(path).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    spec = self.tensors.get(name)
-                    shape = tuple(sf.get_slice(name).get_shape())
-                    if spec is not None and shape != spec.shape:
-                        raise ProtocolError(
-                            f"{what}: tensor {name} in {f.name} has shape {list(shape)}, the "
-                            f"prewarm table says {list(spec.shape)} (a checkpoint of another "
-                            "model?); nothing loaded"
-                        )
+        if self.tensors:
+            check_shapes(path, {n: spec.shape for n, spec in self.tensors.items()}, what)
 
     def memory(self, reset_peak: bool = False) -> dict[str, Any]:
         """RSS and peak RSS of this process (metrics.process_memory), scratch and staged bytes."""

@@ -26,14 +26,13 @@ Decoded records are kept next to the compressed bytes while their total raw size
 `keep_decoded_bytes` (default 256 MiB), so apply does not decode twice; beyond that budget only
 the compressed bytes are kept and apply decodes again (staging memory = compressed size).
 
-Also here: `tensor_specs` (the prewarm table, validated: `ProtocolError` for a malformed one)
-and `key_from_env` (the payload secret, ``DCR_PAYLOAD_KEY``).
+Also here: `tensor_specs` (the prewarm table, validated: `ProtocolError` for a malformed one).
+The payload secret comes from the receiver's config (config.py, ``DCR_PAYLOAD_KEY``).
 """
 
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,6 @@ from shared_codec.errors import PayloadError, ProtocolError
 from shared_codec.format import (
     DEFAULT_MAX_BODY,
     ID_SIZE,
-    MAX_KEY_SIZE,
     Payload,
     PayloadHeader,
     decode_body,
@@ -60,26 +58,6 @@ class TensorSpec:
 
     dtype: str
     shape: tuple[int, ...]
-
-
-KEY_ENV = "DCR_PAYLOAD_KEY"
-
-
-def key_from_env() -> bytes | None:
-    """The shared payload secret from ``DCR_PAYLOAD_KEY`` (hex, 1 to 64 bytes), if set;
-    `ProtocolError` for anything else (not hex, or too long for a BLAKE2b key)."""
-    raw = os.environ.get(KEY_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        key = bytes.fromhex(raw)
-    except ValueError:
-        raise ProtocolError(f"{KEY_ENV} must be hex-encoded") from None
-    if len(key) > MAX_KEY_SIZE:
-        raise ProtocolError(
-            f"{KEY_ENV} is {len(key)} bytes; a payload key is at most {MAX_KEY_SIZE}"
-        )
-    return key
 
 
 def tensor_specs(table: object) -> dict[str, TensorSpec]:

@@ -2,8 +2,9 @@
 generation is paused, and the worker's one `Receiver`, shared by both front doors (the
 ``dcr_*`` RPCs of `DCRWorkerExtension` and the native weight-transfer engine ``dcr``).
 
-`install()` runs from the general plugin's ``register()`` in every vLLM process and wraps three
-methods of vLLM's ``Worker`` class (the CPU worker inherits them):
+The general plugin's ``register()`` installs, in every vLLM process, three wrappers of vLLM's
+``Worker`` methods (the CPU worker inherits them; the wrappers are here, their installation and
+removal is patches.py's table):
 
 - ``load_model`` records the worker instance (the native engine is created inside it and gets
   only the model) and, when the worker's weight-transfer backend is ``"dcr"``, turns on the CPU
@@ -20,8 +21,8 @@ this worker *and* the engine is not paused. Sync RL empties the worker (or pause
 continue on the new weights after ``resume``.
 
 Limitations:
-1. Pause detection follows vLLM 0.32's pause protocol (checked by cpu_compat.check_version's
-   pin); ``wake_up`` also synchronizes, so a woken engine counts as paused until its next step.
+1. Pause detection follows vLLM 0.32's pause protocol (the pin of these patches in patches.py);
+   ``wake_up`` also synchronizes, so a woken engine counts as paused until its next step.
 2. A resume followed by an apply before the next step is not detected; vLLM runs the apply
    between two steps either way, so the running requests continue on the new weights.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,18 +47,14 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "dcr"
 
-_state: dict[str, Any] = {"installed": False, "worker": None, "paused": False}
+#: what the wrapped Worker methods saw in this process: the worker that loaded its model (a
+#: weak reference) and whether the engine completed a pause since its last step
+_state: dict[str, Any] = {"worker": None, "paused": False}
 
 
-def install() -> bool:
-    """Wrap vLLM's Worker methods (idempotent). Returns True when installed now."""
-    if _state["installed"]:
-        return False
-    from vllm.v1.worker.gpu_worker import Worker
-
-    load_model = Worker.load_model
-    synchronize_device = Worker.synchronize_device
-    execute_model = Worker.execute_model
+def wrap_load_model(load_model: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.load_model`` recording the worker and, for backend ``dcr``, enabling the CPU
+    loader condition before the model loads."""
 
     @functools.wraps(load_model)
     def dcr_load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -66,10 +64,23 @@ def install() -> bool:
             cpu_compat.mark_dcr_enabled()
         return load_model(self, *args, **kwargs)
 
+    return dcr_load_model
+
+
+def wrap_synchronize_device(synchronize_device: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.synchronize_device`` marking the engine paused (vLLM calls it when a pause
+    completes)."""
+
     @functools.wraps(synchronize_device)
     def dcr_synchronize_device(self: Any) -> None:
         synchronize_device(self)
         _state["paused"] = True
+
+    return dcr_synchronize_device
+
+
+def wrap_execute_model(execute_model: Callable[..., Any]) -> Callable[..., Any]:
+    """``Worker.execute_model`` marking the engine running again when tokens are scheduled."""
 
     @functools.wraps(execute_model)
     def dcr_execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -77,11 +88,7 @@ def install() -> bool:
             _state["paused"] = False
         return execute_model(self, scheduler_output, *args, **kwargs)
 
-    Worker.load_model = dcr_load_model  # type: ignore[method-assign]
-    Worker.synchronize_device = dcr_synchronize_device  # type: ignore[method-assign]
-    Worker.execute_model = dcr_execute_model  # type: ignore[method-assign]
-    _state["installed"] = True
-    return True
+    return dcr_execute_model
 
 
 def paused() -> bool:
@@ -105,6 +112,11 @@ def _model(worker: Any) -> torch.nn.Module:
     return model
 
 
+def held_requests(worker: Any) -> int:
+    """How many requests hold state on the worker (its model runner's ``requests``)."""
+    return len(getattr(getattr(worker, "model_runner", None), "requests", None) or {})
+
+
 def ranks(worker: Any) -> dict[str, int]:
     """The worker's global rank and its tensor / pipeline parallel coordinates."""
     from vllm.distributed import parallel_state as ps
@@ -120,16 +132,15 @@ def ranks(worker: Any) -> dict[str, int]:
 
 def gate_state(worker: Any) -> dict[str, Any]:
     """What the request gate sees: requests holding state on the worker, and the pause flag."""
-    requests = getattr(getattr(worker, "model_runner", None), "requests", None) or {}
-    return {"requests": len(requests), "paused": paused()}
+    return {"requests": held_requests(worker), "paused": paused()}
 
 
 def gate(worker: Any) -> str | None:
     """None when applying is allowed on this worker, else why the request gate is closed."""
-    requests = getattr(getattr(worker, "model_runner", None), "requests", None) or {}
+    requests = held_requests(worker)
     if requests and not paused():
         return (
-            f"{len(requests)} request(s) still hold state on this worker and generation is "
+            f"{requests} request(s) still hold state on this worker and generation is "
             "not paused; finish them or pause generation (pause_generation / POST /pause) "
             "before applying"
         )
@@ -150,9 +161,11 @@ def loader_condition() -> str | None:
 
 
 def receiver_of(worker: Any) -> Receiver:
-    """The worker's one Receiver (created on first use); both front doors share it."""
+    """The worker's one Receiver (created on first use, configured from this process's
+    environment: config.py); both front doors share it."""
     receiver = getattr(worker, "_dcr_state", None)
     if receiver is None:
+        from vllm_dcr_plugin.config import ReceiverConfig
         from vllm_dcr_plugin.receiver import Receiver
 
         receiver = Receiver(
@@ -160,6 +173,7 @@ def receiver_of(worker: Any) -> Receiver:
             rank=ranks(worker),
             gate=lambda: gate(worker),
             loader_condition=loader_condition,
+            config=ReceiverConfig.from_env(),
         )
         worker._dcr_state = receiver
     return receiver

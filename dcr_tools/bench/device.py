@@ -52,8 +52,8 @@ def run(
     from shared_codec.dtypes import tensor_bits
     from shared_codec.kernels import changed_indices, warm_up
     from shared_codec.records import Kind, make_item
-    from vllm_dcr_plugin.apply import scatter_direct
     from vllm_dcr_plugin.intercept import ViewGeom, flat_storage_bits
+    from vllm_dcr_plugin.scatter import scatter_direct
 
     warm_up()
     rng = np.random.default_rng(seed)

@@ -25,17 +25,17 @@ def main() -> None:
 
     from vllm import SamplingParams
 
+    from dcr_tools import faults
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.errors import EngineUnreachable
     from shared_codec.format import PayloadMeta
     from shared_codec.records import Kind, diff_checkpoints
     from tests.vllm._engine import start_llm
-    from vllm_dcr_plugin import faults
     from vllm_dcr_plugin.client import DCRClient
 
     plan = Path(args.out).with_name("fault-plan.json")
-    os.environ[faults.ENV] = str(plan)  # the workers inherit the plan's path
+    os.environ.update(faults.environment(plan))  # the workers inherit the plan's path
     sp = SamplingParams(max_tokens=8, temperature=0.0)
     a, b = load_checkpoint(v0), load_checkpoint(v1)
     table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in a.items()]

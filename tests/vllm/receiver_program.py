@@ -35,16 +35,16 @@ def main() -> None:
 
     from vllm import SamplingParams
 
+    from dcr_tools import faults
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
     from shared_codec.format import PayloadMeta
     from shared_codec.records import Kind, diff_checkpoints
     from tests.vllm._engine import start_llm
-    from vllm_dcr_plugin import faults
 
     # the workers inherit the fault plan's path; the partial apply below arms it
     plan = Path(args.out).with_name("fault-plan.json")
-    os.environ[faults.ENV] = str(plan)
+    os.environ.update(faults.environment(plan))
     llm = start_llm(versions[0], args.tp, **json.loads(args.extra))
     sp = SamplingParams(max_tokens=8, temperature=0.0)
     report: dict = {"tp": args.tp}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dcr_tools import faults
 from shared_codec.buckets import encode_items
 from shared_codec.format import PayloadMeta
 from shared_codec.records import Kind, diff_tensors
 from tests.vllm.test_receiver_units import CANON, FakeLoaderModel, _canonical, _dense
-from vllm_dcr_plugin import faults
 from vllm_dcr_plugin.receiver import Receiver
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import requests
 
+from dcr_tools import faults
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
 from dcr_tools.procs import ServeProcess, base_env, free_port
 from shared_codec.checkpoint import tensor_table
@@ -27,7 +28,6 @@ from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.errors import RefitFailed
 from shared_codec.transport.spec import open_store
 from tests.vllm._owners import CheckpointOwners
-from vllm_dcr_plugin import faults
 from vllm_dcr_plugin.transfer import reports
 
 pytestmark = pytest.mark.vllm

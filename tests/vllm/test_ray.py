@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import ray
 
+from dcr_tools import faults
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
 from dcr_tools.procs import base_env
 from shared_codec.checkpoint import tensor_table
@@ -30,7 +31,6 @@ from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import RayEngine
 from shared_codec.transport.spec import open_store
 from tests.vllm._owners import CheckpointOwners
-from vllm_dcr_plugin import faults
 
 pytestmark = pytest.mark.vllm
 

@@ -516,7 +516,7 @@ def test_key_from_env_rejects_malformed_keys(monkeypatch) -> None:
     import pytest
 
     from shared_codec.errors import ProtocolError
-    from vllm_dcr_plugin.staging import key_from_env
+    from vllm_dcr_plugin.config import key_from_env
 
     monkeypatch.setenv("DCR_PAYLOAD_KEY", "ab" * 65)
     with pytest.raises(ProtocolError, match="at most 64"):
@@ -573,7 +573,7 @@ def test_post_apply_check_holds_each_element_to_its_last_write() -> None:
     (vLLM's ``composed_weight_loader``: raw ``A_log`` copied into ``A``, then ``-exp`` over it)
     writes an element twice; only the last write is expected to stay. Disjoint writes into one
     storage (two items of one tensor) are all checked, and a real mismatch still counts."""
-    from vllm_dcr_plugin.apply import count_mismatches
+    from vllm_dcr_plugin.scatter import count_mismatches
 
     storage = torch.zeros(8, dtype=torch.int16)
     flat = storage.view(-1)

@@ -26,11 +26,13 @@ def register_backends() -> None:
         WeightTransferTrainerFactory,
     )
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    from vllm_dcr_plugin.patches import backend_registered
+
+    if not backend_registered(WeightTransferEngineFactory, BACKEND):
         WeightTransferEngineFactory.register_engine(
             BACKEND, "vllm_dcr_plugin.transfer.worker_engine", "DCRWeightTransferEngine"
         )
-    if BACKEND not in WeightTransferTrainerFactory._registry:
+    if not backend_registered(WeightTransferTrainerFactory, BACKEND):
         WeightTransferTrainerFactory.register_engine(
             BACKEND, "vllm_dcr_plugin.transfer.trainer_engine", "DCRTrainerWeightTransferEngine"
         )

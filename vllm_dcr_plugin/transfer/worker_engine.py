@@ -54,6 +54,7 @@ from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
 from shared_codec.transport.base import ObjectStore
 from shared_codec.transport.spec import Role, TransportSpec
+from vllm_dcr_plugin import patches
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import (
     arguments,
@@ -89,7 +90,7 @@ class DCRInitInfo(WeightTransferInitInfo):
     wire, `TransportSpec` once `parse_init` checked them; `tensors`: the canonical
     tensor table ``[[name, dtype, shape], ...]``; `committed_version`: the version the weights
     hold now; `dense_path`: a canonical checkpoint of that version to dense-load first; `key`:
-    hex of the payload authentication key (else ``DCR_PAYLOAD_KEY`` from the environment);
+    hex of the payload authentication key (else the receiver's, ``DCR_PAYLOAD_KEY``: config.py);
     `digest`: report the weights' digest after init."""
 
     engine: str = ""
@@ -217,8 +218,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         base: dict[str, Any] = {"rank": self._rank(), "world_size": self.world_size}
         try:
             worker = self._worker()
-            runner = getattr(worker, "model_runner", None)
-            base["requests"] = len(getattr(runner, "requests", None) or {})
+            base["requests"] = dcr_worker.held_requests(worker)
             base["paused"] = dcr_worker.paused()
             status = self._receiver().status()
             base.update(
@@ -273,9 +273,9 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         try:
             receiver = self._receiver()
             worker = self._worker()
-            if getattr(worker, "_weight_update_active", False):
+            if patches.weight_update_active(worker):
                 # a trainer that vanished mid-session: close it, refuse its attempt's payloads
-                worker._weight_update_active = False
+                patches.close_weight_update(worker)
                 if stale is not None:
                     receiver.abort(stale[1])
             out: dict[str, Any] = {}

@@ -1,10 +1,14 @@
-"""Test-only fault injection: a fault plan file switched on by ``DCR_FAULT_PLAN``.
+"""Test-only fault injection: a fault plan file, switched on by ``DCR_FAULT_PLAN``, fired by a
+receiver observer (vllm_dcr_plugin/observer.py).
 
 Recovery tests (and the demo's ``--kill-every``) make a receiver die or fail part-way through an
-attempt. The faults are not RPC arguments: the engine is started with ``DCR_FAULT_PLAN=PATH`` in
-its environment, and a test arms a fault by writing a plan to PATH (`arm`). Inert in production:
-when the variable is unset, or PATH does not exist, `take` returns `NO_FAULTS` without touching
-the file system beyond one ``stat``.
+attempt. The faults are not RPC arguments and not product code: an engine is started with
+``DCR_FAULT_PLAN=PATH`` and ``DCR_RECEIVER_OBSERVER=dcr_tools.faults:FaultPlan`` in its
+environment (`environment`; ``dcr_tools.procs.base_env`` adds the observer wherever the plan is
+named, and the test suite's conftest names the observer for every process it starts), and a
+test arms a fault by writing a plan to PATH (`arm`). Inert while nothing is armed: when the
+variable is unset, or PATH does not exist, `take` returns `NO_FAULTS` without touching the file
+system beyond one ``stat``.
 
 Plan (JSON object): ``id`` (a fresh token per arming, written by `arm`), optionally ``rank`` (the
 worker rank it fires on; every rank when absent), and one or more of
@@ -15,11 +19,12 @@ worker rank it fires on; every rank when absent), and one or more of
   that many items were applied, leaving a partial apply behind;
 - ``kill_after_items``: SIGKILL the worker at that point (a receiver dying mid-apply).
 
-Contract: each fetch and apply calls `take` once at its start. A call that can fire one of the
-plan's keys (a plain ``dcr_fetch``: ``kill_after_payloads``; ``dcr_apply``: the item keys; a
-pipelined ``dcr_fetch``: all three) consumes the whole plan for its rank, atomically (it creates
-``PATH.<id>.rank<r>`` exclusively), so a plan fires at most once on each rank, also across an
-engine restart; other calls leave it armed.
+Contract: the receiver calls the observer's ``begin`` once at the start of each fetch and apply,
+which `take`s the plan. A call that can fire one of the plan's keys (a plain ``dcr_fetch``:
+``kill_after_payloads``; ``dcr_apply``: the item keys; a pipelined ``dcr_fetch``: all three)
+consumes the whole plan for its rank, atomically (it creates ``PATH.<id>.rank<r>``
+exclusively), so a plan fires at most once on each rank, also across an engine restart; other
+calls leave it armed. Items are counted over the whole call (every part of a pipelined fetch).
 
 Limitations:
 1. Test-only: nothing here is part of the protocol (docs/protocol.md does not mention it).
@@ -34,19 +39,26 @@ import signal
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from shared_codec.errors import InjectedFailure, ProtocolError
+from shared_codec.errors import ProtocolError
+from vllm_dcr_plugin.observer import Call
 
 ENV = "DCR_FAULT_PLAN"
+OBSERVER_ENV = "DCR_RECEIVER_OBSERVER"  # vllm_dcr_plugin.config.ENV_OBSERVER
+OBSERVER = "dcr_tools.faults:FaultPlan"
 ITEM_KEYS = ("fail_after_items", "kill_after_items")
 KEYS = ("kill_after_payloads", *ITEM_KEYS)
-Call = Literal["fetch", "apply", "pipelined"]
 _FIRES: dict[str, tuple[str, ...]] = {
-    "fetch": ("kill_after_payloads",),
-    "apply": ITEM_KEYS,
-    "pipelined": KEYS,
+    Call.FETCH: ("kill_after_payloads",),
+    Call.APPLY: ITEM_KEYS,
+    Call.PIPELINED: KEYS,
 }
+
+
+class InjectedFailure(RuntimeError):
+    """Fault injection (``fail_after_items``): raised before the loader pulls the next item.
+    State left behind: the items applied before it (a partial apply; the receiver is dirty)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,8 +70,8 @@ class Faults:
     kill_after_items: int | None = None
 
     def remaining(self, items_done: int, *, kill: bool = True) -> Faults:
-        """The item faults left after `items_done` items (pipelined parts); without `kill`
-        the kill is dropped (the tail of a pipelined fetch)."""
+        """The item faults left after `items_done` items of the call were pulled; without
+        `kill` the kill is dropped."""
 
         def left(n: int | None) -> int | None:
             return None if n is None else max(0, n - items_done)
@@ -74,9 +86,15 @@ class Faults:
 NO_FAULTS = Faults()
 
 
-def take(rank: int, call: Call) -> Faults:
-    """The faults the plan named by ``DCR_FAULT_PLAN`` arms for this `call` on `rank`, consumed
-    (see the module docstring); `NO_FAULTS` when none."""
+def environment(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The variables an engine needs for the fault plan at `path` (plan and observer)."""
+    return {ENV: str(path), OBSERVER_ENV: OBSERVER}
+
+
+def take(rank: int, call: str) -> Faults:
+    """The faults the plan named by ``DCR_FAULT_PLAN`` arms for this `call` (``fetch``,
+    ``apply`` or ``pipelined``) on `rank`, consumed (see the module docstring); `NO_FAULTS`
+    when none."""
     path = os.environ.get(ENV, "").strip()
     if not path or not os.path.exists(path):
         return NO_FAULTS
@@ -115,15 +133,27 @@ def arm(path: str | os.PathLike[str], *, rank: int | None = None, **fault: int) 
     os.replace(tmp, path)
 
 
-class ItemFaults:
-    """The loader's per-item hook (``before_item``) firing `faults`' item keys; `pulled` counts
-    the items the loader pulled so far."""
+class FaultPlan:
+    """The receiver observer (vllm_dcr_plugin.observer.ReceiverObserver) that fires the plan."""
+
+    def begin(self, rank: int, call: Call) -> ArmedCall | None:
+        faults = take(rank, call)
+        return None if faults == NO_FAULTS else ArmedCall(faults)
+
+
+class ArmedCall:
+    """The faults of one call (a `CallObserver`): payloads staged and items pulled so far."""
 
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
         self.pulled = 0
 
-    def __call__(self, item: object) -> None:
+    def before_payload(self, index: int, data: bytes) -> None:
+        kill = self.faults.kill_after_payloads
+        if kill is not None and index >= kill:
+            kill_self()
+
+    def before_item(self, item: object) -> None:
         f = self.faults
         if f.kill_after_items is not None and self.pulled >= f.kill_after_items:
             kill_self()
