@@ -6,8 +6,14 @@
 Modules:
 - ``callback``: `DCRCallback` (a Megatron-Bridge training callback and post-optimizer-step hook)
   and `ServiceSpec`.
-- ``hook``: `DCRConfig`, `ConstructionMode`, `enable_dcr` and `DCRHook` (tasks, ownership,
-  trackers, change detection, projection, residual conversion, build/commit/abort/retry).
+- ``hook``: `enable_dcr` and `DCRHook`, the orchestrator of one rank's owner
+  (build/commit/abort/retry) over the modules of the paper's steps:
+  ``detection`` (trackers and the changed-bits scan against the host baseline),
+  ``projection`` (affine tasks -> canonical records), ``residual`` (residual conversion and
+  the residual baseline), ``guard`` (the candidate guard), ``sink`` (the one bounded queue
+  in front of the payload sink).
+- ``config``: `DCRConfig` and `ConstructionMode`.
+- ``candidate``: the `Candidate` record of a build and the owner's `OwnerState`.
 - ``groups``: `ParallelGroups`, the process groups the hook is given (default: megatron-core's).
 - ``service``: the owner service a remote coordinator drives (ZeroMQ, JSON).
 - ``tasks`` / ``ownership``: conversion tasks (`TaskKind`) measured from the bridge, and who owns
@@ -29,10 +35,12 @@ from typing import Any
 _LAZY = {
     "DCRCallback": "callback",
     "ServiceSpec": "callback",
-    "ConstructionMode": "hook",
-    "DCRConfig": "hook",
+    "Candidate": "candidate",
+    "ConstructionMode": "config",
+    "DCRConfig": "config",
     "DCRHook": "hook",
     "enable_dcr": "hook",
+    "OwnerState": "candidate",
     "ParallelGroups": "groups",
     "RankGroup": "groups",
     "TaskKind": "tasks",
