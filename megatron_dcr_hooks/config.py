@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from megatron_dcr_hooks.sink import Sink
-from shared_codec.buckets import DEFAULT_BUCKET_BYTES
+from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig
 
 
 class ConstructionMode(StrEnum):
@@ -89,3 +89,13 @@ class DCRConfig:
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "overwrite_only", frozenset(self.overwrite_only))
         object.__setattr__(self, "force_residual", tuple(self.force_residual))
+
+    def buckets(self) -> BucketConfig:
+        """The payload bucket settings of this config (`shared_codec.buckets`)."""
+        return BucketConfig(
+            bucket_bytes=self.bucket_bytes,
+            min_bucket_bytes=self.min_bucket_bytes,
+            key=self.key,
+            paper=self.paper_codec,
+            threads=self.encode_threads,
+        )

@@ -11,8 +11,8 @@ every successful step; training loops may call ``hook.after_step()`` themselves 
 - detection.py: trackers and the changed-bits scan against them (step 1);
 - projection.py: affine tasks -> canonical records (step 2, affine path);
 - residual.py: residual conversion and the residual baseline (step 2, residual path);
-- shared_codec.buckets: encoding into bounded payloads (step 3); sink.py: the one bounded
-  queue between the build and the transport;
+- sink.py: encoding into bounded payloads (step 3, `shared_codec.buckets`) and the one
+  bounded queue between the build and the transport;
 - guard.py: the candidate guard; candidate.py: the `Candidate` record and `OwnerState`.
 
 One transition (every rank calls, in the same order; collectives inside):
@@ -75,14 +75,12 @@ from megatron_dcr_hooks.guard import CandidateGuard
 from megatron_dcr_hooks.ownership import owns
 from megatron_dcr_hooks.projection import project
 from megatron_dcr_hooks.residual import ResidualBaseline
-from megatron_dcr_hooks.sink import Sink, SinkThread
+from megatron_dcr_hooks.sink import PayloadStream, Sink
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
-from shared_codec.buckets import BucketConfig, BucketEncoder
 from shared_codec.errors import ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import changed_indices as changed_indices  # (see __all__)
 from shared_codec.kernels import warm_up
-from shared_codec.records import DeltaItem, Kind
 
 # `changed_indices` stays importable here for tests/megatron/test_hook_units.py, which
 # patches it to show that a commit scans nothing; the scans run in detection.py and residual.py
@@ -260,9 +258,6 @@ class DCRHook:
         checks: dict[int, bytes] = {}
         delta: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         rep = BuildReport(version=version, attempt=attempt, retry=retry)
-        writer = SinkThread(
-            sink or self.config.sink or self.payloads.append, self.config.queue_depth
-        )
         meta = PayloadMeta(
             version=version,
             base_version=self.committed_version,
@@ -270,56 +265,13 @@ class DCRHook:
             owner=self.rank,
             sequence=0,
         )
-        enc = BucketEncoder(
-            meta,
-            BucketConfig(
-                bucket_bytes=self.config.bucket_bytes,
-                min_bucket_bytes=self.config.min_bucket_bytes,
-                key=self.config.key,
-                paper=self.config.paper_codec,
-                threads=self.config.encode_threads,
-            ),
-        )
-        xor_ok = self.config.mode is ConstructionMode.X and not retry
-        # taper estimate: the records still to come, extrapolated from those so far; unknown
-        # (no taper) when residual conversion follows
-        taper = not self.residual.tasks
-        try:
-            for t in self.scan_order:
-                rep.owned_elements += t.param.numel()  # scanned so far (residual tasks after)
-                td = time.perf_counter()
-                local, new, base = changed_bits(t.param, self.trackers[t.index])
-                rep.detect_seconds += time.perf_counter() - td
-                if self.guard.enabled:
-                    checks[t.index] = b""  # checked against `delta`
-                if not local.size:
-                    continue
-                delta[t.index] = (local, new)
-                rep.changed_elements += int(local.size)
-                items = project(
-                    t,
-                    local,
-                    new,
-                    base,
-                    xor_ok=xor_ok,
-                    overwrite_only=self.config.overwrite_only,
-                    owner=self.rank,
-                )
-                rest = sum(item.raw_bytes for item in items)
-                later = (
-                    (enc.raw_bytes + enc.open_bytes + rest)
-                    * (self._scan_elements - rep.owned_elements)
-                    // max(rep.owned_elements, 1)
-                )
-                for item in items:
-                    rest -= item.raw_bytes
-                    self._emit(enc, writer, item, rep, after=rest + later if taper else None)
-            converted = self._residual(enc, writer, rep, checks, delta)
-            for payload in enc.finish():
-                writer.put(payload)
-        finally:
-            writer.close()
-        rep.payloads, rep.payload_bytes = enc.payload_count, enc.stored_bytes
+        out = sink or self.config.sink or self.payloads.append
+        with PayloadStream(meta, self.config.buckets(), out, self.config.queue_depth) as stream:
+            self._affine(stream, rep, checks, delta, xor_ok=not retry)
+            converted = self._residual(stream, rep, checks, delta)
+            stream.finish()
+        rep.items, rep.entries, rep.xor_entries = stream.items, stream.entries, stream.xor_entries
+        rep.payloads, rep.payload_bytes = stream.payload_count, stream.stored_bytes
         counts = torch.tensor([rep.changed_elements, rep.owned_elements], dtype=torch.float64)
         dist.all_reduce(counts, group=self.groups.world.group)
         rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
@@ -345,26 +297,54 @@ class DCRHook:
         )  # fmt: skip
         return rep
 
-    def _emit(
+    def _affine(
         self,
-        enc: BucketEncoder,
-        writer: SinkThread,
-        item: DeltaItem,
+        stream: PayloadStream,
         rep: BuildReport,
+        checks: dict[int, bytes],
+        delta: dict[int, tuple[np.ndarray, np.ndarray]],
         *,
-        after: int | None = None,
+        xor_ok: bool,
     ) -> None:
-        rep.items += 1
-        rep.entries += item.count
-        if item.kind == Kind.XOR:
-            rep.xor_entries += item.count
-        for payload in enc.add(item, after=after):
-            writer.put(payload)
+        """Detection and projection of the tracked shards, largest first: record each changed
+        shard's change in `delta` and emit its canonical records (`xor_ok`: not a retry)."""
+        xor_ok = xor_ok and self.config.mode is ConstructionMode.X
+        # taper estimate: the records still to come, extrapolated from those so far; unknown
+        # (no taper) when residual conversion follows
+        taper = not self.residual.tasks
+        for t in self.scan_order:
+            rep.owned_elements += t.param.numel()  # scanned so far (residual tasks after)
+            td = time.perf_counter()
+            local, new, base = changed_bits(t.param, self.trackers[t.index])
+            rep.detect_seconds += time.perf_counter() - td
+            if self.guard.enabled:
+                checks[t.index] = b""  # checked against `delta`
+            if not local.size:
+                continue
+            delta[t.index] = (local, new)
+            rep.changed_elements += int(local.size)
+            items = project(
+                t,
+                local,
+                new,
+                base,
+                xor_ok=xor_ok,
+                overwrite_only=self.config.overwrite_only,
+                owner=self.rank,
+            )
+            rest = sum(item.raw_bytes for item in items)
+            later = (
+                (stream.buffered_bytes + rest)
+                * (self._scan_elements - rep.owned_elements)
+                // max(rep.owned_elements, 1)
+            )
+            for item in items:
+                rest -= item.raw_bytes
+                stream.add(item, after=rest + later if taper else None)
 
     def _residual(
         self,
-        enc: BucketEncoder,
-        writer: SinkThread,
+        stream: PayloadStream,
         rep: BuildReport,
         checks: dict[int, bytes],
         delta: dict[int, tuple[np.ndarray, np.ndarray]],
@@ -399,7 +379,7 @@ class DCRHook:
             if full:
                 rep.changed_elements += n
             if item is not None:
-                self._emit(enc, writer, item, rep)
+                stream.add(item)
         return converted
 
     def verify_candidate(self, version: int, *, scan: bool = True) -> None:
