@@ -16,19 +16,17 @@ module does the same with the installed package:
    from the installed ``auto_bridge.py``); `resolve(key)` accepts an architecture name, an HF
    config dict, or a ``model_type`` that exactly one bridge registers (``register_bridge(...,
    model_type=...)``, megatron-bridge's own data).
-3. Providers: `provider_record(hf_config)` runs the bridge's own ``provider_bridge`` against the
-   stub base, whose ``provider_bridge`` maps the HF config through the bridge's own
-   ``CONFIG_MAPPING`` and ``ACTIVATION_MAPPING`` (read from the installed ``model_bridge.py``) into
-   a plain attribute record instead of a ``GPTModelProvider`` (which needs omegaconf, not
-   installed here). The bridge's family settings (QK-norm, QKV bias, MoE options...) land on that
-   record; `dcr_tools.trainers.model` builds a CPU model from it.
+3. Base tables: the stub carries the installed ``MegatronModelBridge``'s ``CONFIG_MAPPING``
+   and ``ACTIVATION_MAPPING`` (read from ``model_bridge.py`` / ``utils/activation_map.py``)
+   before any bridge module imports, since bridge class bodies extend them
+   (``CONFIG_MAPPING = MegatronModelBridge.CONFIG_MAPPING + [...]``). Running a bridge's
+   ``provider_bridge`` on those tables is the tools' business (`dcr_tools.trainers.providers`,
+   for the CPU model builder); the owner hook needs only `mapping_registry_for`.
 
 Limitations:
 1. Checked on megatron-bridge 0.3.1 (``bridge_loader.check_version``).
 2. While bridge modules import, a placeholder ``omegaconf`` module stands in when omegaconf is not
    installed (only provider serialization uses it); any use raises CompatibilityError.
-3. ``provider_record`` covers bridges whose ``provider_bridge`` only calls the base
-   ``provider_bridge`` and sets attributes; others raise with the bridge's own error.
 """
 
 from __future__ import annotations
@@ -70,7 +68,7 @@ class BridgeRegistration:
         cls: Any = self.bridge_class
         bridge = cls.__new__(cls)
         if hf_config is not None:
-            view = _ConfigView(hf_config)
+            view = ConfigView(hf_config)
             bridge.hf_config = view
             bridge.hf_pretrained = types.SimpleNamespace(config=view)
         try:
@@ -97,7 +95,8 @@ class Discovery:
 _cache: dict[str, Any] = {}
 
 
-def _source_of(source: Any) -> str:
+def source_name(source: Any) -> str:
+    """The name a ``register_bridge`` argument stands for (a class, or already its name)."""
     return source if isinstance(source, str) else getattr(source, "__name__", repr(source))
 
 
@@ -186,7 +185,7 @@ def supported_suffixes() -> tuple[str, ...]:
     return _cache["suffixes"]
 
 
-class _ConfigView:
+class ConfigView:
     """Attribute access over an HF config dict (missing keys raise AttributeError, so
     ``getattr(cfg, name, None)`` works as on a ``PretrainedConfig``). transformers 5 moves
     ``rope_theta`` into ``rope_parameters``; it is exposed at top level too (without it the
@@ -211,25 +210,11 @@ class _ConfigView:
         return dict(self.__dict__["_data"])
 
 
-class ProviderRecord(types.SimpleNamespace):
-    """What a bridge's ``provider_bridge`` produced: provider field name -> value. Carries
-    ``provider_class`` (the class the real bridge would instantiate)."""
-
-
-def _yarn_scaling(hf_config: Any) -> tuple[str, Mapping[str, Any]] | None:
-    """(config key, scaling dict) when `hf_config` asks for YaRN RoPE scaling. transformers 5
-    keeps the scaling in ``rope_parameters``, older configs in ``rope_scaling`` (megatron-bridge
-    0.6.2's base reads ``rope_scaling`` only; a transformers-5 config object serves the same
-    dict under both names)."""
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = getattr(hf_config, key, None)
-        if isinstance(rope, dict) and (rope.get("type") or rope.get("rope_type")) == "yarn":
-            return key, rope
-    return None
-
-
 class _StubBridgeBase:
-    """Minimal stand-in for ``model_bridge.MegatronModelBridge`` while bridge modules import."""
+    """Minimal stand-in for ``model_bridge.MegatronModelBridge`` while bridge modules import:
+    ``register_bridge`` records, and the class attributes bridge classes read or extend (the
+    base tables are set from the installed bridge before any import, `_state`). Nothing a
+    ``provider_bridge`` calls (module docstring, 3)."""
 
     SOURCE_NAME: str | None = None
     MODEL_TYPE: str | None = None
@@ -242,136 +227,23 @@ class _StubBridgeBase:
         cls, *, source: Any, target: Any, provider: Any = None, model_type: str | None = None
     ) -> Any:
         def deco(bridge_cls: type) -> type:
-            bridge_cls.SOURCE_NAME = _source_of(source)  # type: ignore[attr-defined]
+            bridge_cls.SOURCE_NAME = source_name(source)  # type: ignore[attr-defined]
             if model_type is not None:
                 bridge_cls.MODEL_TYPE = model_type  # type: ignore[attr-defined]
             if provider is not None:
                 bridge_cls.PROVIDER_CLASS = provider  # type: ignore[attr-defined]
             _Recorder.registrations.append(
                 {
-                    "architecture": _source_of(source),
+                    "architecture": source_name(source),
                     "bridge_class": bridge_cls,
-                    "target": _source_of(target),
-                    "provider": None if provider is None else _source_of(provider),
+                    "target": source_name(target),
+                    "provider": None if provider is None else source_name(provider),
                     "model_type": model_type,
                 }
             )
             return bridge_cls
 
         return deco
-
-    # -- the parts of the base class a provider_bridge calls -------------------------------
-    @classmethod
-    def hf_to_megatron_activation(cls, hidden_act: str) -> Any:
-        if hidden_act not in cls.ACTIVATION_MAPPING:
-            raise ValueError(
-                f"Unsupported activation function: {hidden_act}. "
-                f"Supported: {list(cls.ACTIVATION_MAPPING)}"
-            )
-        return cls.ACTIVATION_MAPPING[hidden_act]
-
-    def dtype_from_hf(self, config: Any, default: Any = None) -> torch.dtype:
-        value = getattr(config, "torch_dtype", None)
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str):
-            return {
-                "float16": torch.float16,
-                "fp16": torch.float16,
-                "bfloat16": torch.bfloat16,
-                "bf16-mixed": torch.bfloat16,
-            }.get(value, torch.float32)
-        if default is not None:
-            return default
-        raise ValueError("torch_dtype is not of type str/torch.dtype")
-
-    def make_vocab_size_divisible_by(self, vocab_size: int) -> int:
-        base = 128
-        while vocab_size % base != 0:
-            base //= 2
-        return base
-
-    def hf_config_to_provider_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        for hf_name, megatron_name in self.CONFIG_MAPPING:
-            value = getattr(hf_config, hf_name, None)
-            if value is not None:
-                kwargs[megatron_name] = value
-        if kwargs.get("vocab_size") is not None:
-            kwargs["make_vocab_size_divisible_by"] = self.make_vocab_size_divisible_by(
-                kwargs["vocab_size"]
-            )
-        dtype = self.dtype_from_hf(hf_config, default=torch.float32)
-        kwargs["fp16"] = dtype == torch.float16
-        kwargs["bf16"] = dtype == torch.bfloat16
-        kwargs["params_dtype"] = dtype
-        act = str(
-            getattr(hf_config, "hidden_act", None)
-            or getattr(hf_config, "hidden_activation", "silu")
-        )
-        kwargs["activation_func"] = self.hf_to_megatron_activation(act)
-        return kwargs
-
-    def provider_bridge(self, hf_pretrained: Any) -> ProviderRecord:
-        hf_config = hf_pretrained.config
-        record = ProviderRecord(**self.hf_config_to_provider_kwargs(hf_config))
-        pc = self.PROVIDER_CLASS
-        record.provider_class = None if pc is None else _source_of(pc)
-        yarn = _yarn_scaling(hf_config)
-        if record.provider_class == "MLAModelProvider":
-            if yarn is not None:
-                raise CompatibilityError(
-                    f"DCR's provider record does not translate YaRN RoPE scaling ({yarn[0]}) "
-                    "for an MLAModelProvider (MLA's rotary_scaling_factor / mscale fields)"
-                )
-            self._mla_provider_settings(hf_config, record)
-        elif yarn is not None:
-            self._yarn_provider_settings(yarn[1], record)
-        return record
-
-    #: (HF rope-scaling key, provider field): megatron-bridge 0.6.2's
-    #: ``MegatronModelBridge.YARN_ROPE_SCALING_MAPPING`` (model_bridge.py)
-    YARN_ROPE_SCALING_MAPPING: list[tuple[str, str]] = [
-        ("factor", "yarn_rotary_scaling_factor"),
-        ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
-        ("beta_fast", "yarn_beta_fast"),
-        ("beta_slow", "yarn_beta_slow"),
-        ("mscale", "yarn_mscale"),
-        ("mscale_all_dim", "yarn_mscale_all_dim"),
-    ]
-
-    def _yarn_provider_settings(self, rope: Mapping[str, Any], record: ProviderRecord) -> None:
-        """What the real base ``hf_config_to_provider_kwargs`` / ``provider_bridge``
-        (megatron-bridge 0.6.2, model_bridge.py) do for YaRN scaling on a GPT provider:
-        ``position_embedding_type = "yarn"``, every ``YARN_ROPE_SCALING_MAPPING`` key the config
-        has (not None) onto its ``yarn_*`` field, ``truncate`` onto
-        ``yarn_correction_range_round_to_int``. A family's own ``provider_bridge`` may then set
-        other values (GPT-OSS's sets all of them); the record keeps what it finally holds."""
-        record.position_embedding_type = "yarn"
-        for hf_key, field_name in self.YARN_ROPE_SCALING_MAPPING:
-            if rope.get(hf_key) is not None:
-                setattr(record, field_name, rope[hf_key])
-        if "truncate" in rope:
-            record.yarn_correction_range_round_to_int = rope["truncate"]
-
-    def _mla_provider_settings(self, hf_config: Any, record: ProviderRecord) -> None:
-        """What the real base ``provider_bridge`` (megatron-bridge 0.6.2,
-        ``model_bridge.py`` ``hf_config_to_provider_kwargs`` / ``provider_bridge``) does for an
-        ``MLAModelProvider`` beyond the plain mapping: (a) a field the config has with value
-        ``None`` is mapped too (``hasattr``), so ``q_lora_rank: null`` (no query LoRA) reaches
-        the provider instead of ``MLATransformerConfig``'s default 512 (megatron-bridge 0.3.1
-        drops it, and would build query-LoRA layers the checkpoint does not have);
-        (b) without YaRN scaling (refused above) RoPE is unscaled: ``rotary_scaling_factor``
-        and ``mscale_all_dim`` 1.0 instead of MLATransformerConfig's DeepSeek-V3 YaRN
-        defaults (40, 0.0), and ``position_embedding_type`` is ``"rope"``."""
-        for hf_name, megatron_name in self.CONFIG_MAPPING:
-            if "." in hf_name or hasattr(record, megatron_name):
-                continue
-            if hasattr(hf_config, hf_name) and getattr(hf_config, hf_name) is None:
-                setattr(record, megatron_name, None)
-        record.rotary_scaling_factor = 1.0
-        record.mscale_all_dim = 1.0
-        record.position_embedding_type = "rope"
 
 
 def _register_implementation(*, source: Any, target: Any, bridge_class: Any) -> None:
@@ -381,10 +253,10 @@ def _register_implementation(*, source: Any, target: Any, bridge_class: Any) -> 
     pc = getattr(bridge_class, "PROVIDER_CLASS", None)
     _Recorder.registrations.append(
         {
-            "architecture": _source_of(source),
+            "architecture": source_name(source),
             "bridge_class": bridge_class,
-            "target": _source_of(target),
-            "provider": None if pc is None else _source_of(pc),
+            "target": source_name(target),
+            "provider": None if pc is None else source_name(pc),
             "model_type": None,
         }
     )
@@ -602,26 +474,3 @@ def mapping_registry_for(key: str | Mapping[str, Any]) -> Any:
     if cache_key not in _cache:
         _cache[cache_key] = reg.mapping_registry()
     return _cache[cache_key]
-
-
-def provider_record(hf_config: Mapping[str, Any]) -> ProviderRecord:
-    """Run the resolved bridge's own ``provider_bridge`` on `hf_config` (module docstring, 3)."""
-    reg = resolve(hf_config)
-    cls: Any = reg.bridge_class
-    bridge = cls.__new__(cls)
-    view = _ConfigView(hf_config)
-    bridge.hf_config = view
-    try:
-        record = bridge.provider_bridge(types.SimpleNamespace(config=view))
-    except (AttributeError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{reg.module}.{cls.__name__}.provider_bridge cannot run on this config: "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    if not isinstance(record, ProviderRecord):
-        raise CompatibilityError(
-            f"{reg.module}.{cls.__name__}.provider_bridge returned {type(record).__name__}, "
-            "not the stub base's record"
-        )
-    record.architecture = reg.architecture
-    return record

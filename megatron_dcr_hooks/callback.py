@@ -38,7 +38,7 @@ update_successful)`` after every ``optimizer.step()``; in served mode, ``callbac
 the last step.
 
 Megatron DDP chunks that overlap the parameter all-gather with the next forward
-(``ddp_config.overlap_param_gather``) are synced by the hook before every build (hook.py);
+(``ddp_config.overlap_param_gather``) are synced by the hook before every build (detection.py);
 otherwise the detector would read stale parameters (docs/parallel-layouts.md).
 
 Limitations:

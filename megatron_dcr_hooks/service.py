@@ -91,6 +91,11 @@ def _gather_json(obj: Any, world: RankGroup) -> list[Any]:
     return [json.loads(bytes(t[: int(k[0])].numpy()).decode()) for t, k in zip(out, sizes)]
 
 
+def _candidate_version(hook: DCRHook) -> int | None:
+    """The version of the hook's uncommitted candidate (`DCRHook.candidate`), None if none."""
+    return None if hook.candidate is None else hook.candidate.version
+
+
 class OwnerService:
     """Serves coordinator requests for one trainer job (every rank constructs one)."""
 
@@ -181,10 +186,11 @@ class OwnerService:
     def _commit(self, req: dict[str, Any]) -> dict[str, Any]:
         version = int(req["version"])
         if self.hook.committed_version != version:
-            if self.hook._candidate != version:
+            candidate = _candidate_version(self.hook)
+            if candidate != version:
                 raise ProtocolError(
                     f"cannot commit version {version}: owners are at committed "
-                    f"{self.hook.committed_version}, candidate {self.hook._candidate}"
+                    f"{self.hook.committed_version}, candidate {candidate}"
                 )
             # verified before the compare-and-set (``verify``); the record is durable now, so
             # the owners advance to the candidate the engines hold without a second scan
@@ -218,7 +224,7 @@ class OwnerService:
     def _status(self, req: dict[str, Any]) -> dict[str, Any]:
         return {
             "committed_version": self.hook.committed_version,
-            "candidate": self.hook._candidate,
+            "candidate": _candidate_version(self.hook),
             "world": self.world,
         }
 

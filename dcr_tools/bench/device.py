@@ -4,7 +4,7 @@ What it times, on one BF16 tensor of `n` elements resident on the device, with a
 of its elements changed (docs/benchmarks.md, "GPU lane"):
 
 - ``d2h``: the device -> host copy of the tensor that every build makes per owned shard;
-- ``detect``: what the owner hook does per shard (megatron_dcr_hooks/hook.py): that copy,
+- ``detect``: what the owner hook does per shard (megatron_dcr_hooks/detection.py): that copy,
   then `changed_indices` against the host tracker;
 - ``scatter_xor`` / ``scatter_overwrite``: `scatter_direct` (vllm_dcr_plugin/apply.py) of one
   item with those entries into the device tensor (its torch index path).

@@ -1,2 +1,3 @@
-"""Reference Megatron trainers on CPU: a GPTModel builder (`model`), a small policy-gradient
-trainer (`trainer`) and the RL trainer job that serves the DCR owner service (`rl_job`)."""
+"""Reference Megatron trainers on CPU: a GPTModel builder (`model`) from the bridge's provider
+settings (`providers`), a small policy-gradient trainer (`trainer`) and the RL trainer job that
+serves the DCR owner service (`rl_job`)."""

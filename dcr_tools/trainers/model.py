@@ -1,6 +1,6 @@
 """Build a megatron-core GPTModel (local spec) on CPU for a Hugging Face config, from the bridge.
 
-The model's settings come from megatron-bridge itself: `bridge_registry.provider_record` runs
+The model's settings come from megatron-bridge itself: `providers.provider_record` runs
 the resolved bridge's own ``provider_bridge`` (its CONFIG_MAPPING plus the family's settings:
 QK-norm, QKV bias, untied embeddings, MoE options...). This module only adds the CPU choices:
 the local (non-Transformer-Engine) layer spec, bf16, fusions off, dropout off, deterministic MoE
@@ -210,12 +210,13 @@ _MODEL_ARGS = (
 
 
 def provider_settings(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """The bridge's provider settings for `hf_config` (``bridge_registry.provider_record``).
+    """The bridge's provider settings for `hf_config` (``providers.provider_record``).
 
     ValueError when the family needs a builder this module does not have (its provider class
     or norm is named)."""
     from dcr_tools.trainers import mamba_reference
-    from megatron_dcr_hooks.bridge_registry import provider_record, resolve
+    from dcr_tools.trainers.providers import provider_record
+    from megatron_dcr_hooks.bridge_registry import resolve
 
     # before any bridge module imports megatron-core's Mamba mixer (limitation 7); inert for
     # families without Mamba layers and when mamba_ssm is installed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcr_tools.trainers.providers import provider_record
 from megatron_dcr_hooks import bridge_loader, bridge_registry
 from shared_codec.errors import CompatibilityError
 
@@ -168,17 +169,17 @@ def test_mapping_registries_are_the_bridges_own() -> None:
 
 
 def test_provider_settings_come_from_the_bridge() -> None:
-    q3 = bridge_registry.provider_record(_cfg("Qwen3ForCausalLM"))
+    q3 = provider_record(_cfg("Qwen3ForCausalLM"))
     assert q3.qk_layernorm is True and q3.add_qkv_bias is False
-    q2 = bridge_registry.provider_record(_cfg("Qwen2ForCausalLM", attention_bias=True))
+    q2 = provider_record(_cfg("Qwen2ForCausalLM", attention_bias=True))
     assert q2.add_qkv_bias is True and not getattr(q2, "qk_layernorm", False)
-    llama = bridge_registry.provider_record(_cfg("LlamaForCausalLM", attention_bias=False))
+    llama = provider_record(_cfg("LlamaForCausalLM", attention_bias=False))
     assert not getattr(llama, "qk_layernorm", False) and llama.add_qkv_bias is False
     assert llama.share_embeddings_and_output_weights is False
     assert llama.activation_func is torch.nn.functional.silu
     assert (llama.num_layers, llama.num_query_groups, llama.kv_channels) == (2, 2, 32)
     assert llama.params_dtype is torch.bfloat16
-    moe = bridge_registry.provider_record(
+    moe = provider_record(
         _cfg(
             "Qwen3MoeForCausalLM",
             num_experts=8,
@@ -192,7 +193,7 @@ def test_provider_settings_come_from_the_bridge() -> None:
     t5 = _cfg("LlamaForCausalLM")
     t5["rope_parameters"] = {"rope_theta": 500000.0, "rope_type": "default"}
     del t5["rope_theta"]
-    assert bridge_registry.provider_record(t5).rotary_base == 500000.0
+    assert provider_record(t5).rotary_base == 500000.0
     # a family the CPU builder does not cover says which provider it needs
     from dcr_tools.trainers.model import provider_settings
 
@@ -256,13 +257,14 @@ def test_provider_settings_come_from_the_bridge() -> None:
 _TRAINER_PROBE = """
 import json
 from megatron_dcr_hooks import bridge_loader, bridge_registry, cpu_compat
+from dcr_tools.trainers.providers import provider_record
 found = bridge_registry.discover()
 cfg = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
        "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6,
        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "hidden_act": "silu",
        "torch_dtype": "bfloat16", "tie_word_embeddings": False, "max_position_embeddings": 512}
-rec = bridge_registry.provider_record(cfg)
+rec = provider_record(cfg)
 from dcr_tools.fixtures import hf_config, spec_for
 from dcr_tools.trainers.model import provider_settings
 g3 = provider_settings(hf_config(spec_for("gemma3")))
