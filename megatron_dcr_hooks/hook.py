@@ -79,11 +79,8 @@ from megatron_dcr_hooks.sink import PayloadStream, Sink
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
 from shared_codec.errors import ProtocolError
 from shared_codec.format import PayloadMeta
-from shared_codec.kernels import changed_indices as changed_indices  # (see __all__)
 from shared_codec.kernels import warm_up
 
-# `changed_indices` stays importable here for tests/megatron/test_hook_units.py, which
-# patches it to show that a commit scans nothing; the scans run in detection.py and residual.py
 __all__ = [
     "BuildReport",
     "Candidate",

@@ -1,11 +1,13 @@
 """Owner control service: a coordinator in another process drives the DCR hooks of a running
 Megatron job (the `shared_codec.coordination.coordinator.Owners` of that job, client: `shared_codec.coordination.owners`).
 
-Rank 0 (of the hook's ``groups.world``) binds a ZeroMQ REP socket; each request (a JSON object
-with ``"op"``) is broadcast to every rank as JSON bytes in a uint8 tensor over that group (the
-hook's `ParallelGroups`; never the default group implicitly; no pickle),
-every rank runs it collectively, and rank 0 replies ``{"ok": true, ...}`` or
-``{"ok": false, "error": ..., "error_type": ...}``. An error on any rank fails the whole request.
+Rank 0 (of the hook's ``groups.world``) binds a ZeroMQ REP socket; each request (an
+`OwnerRequest`, shared_codec.coordination.protocol, as JSON) is broadcast to every rank as JSON
+bytes in a uint8 tensor over that group (the hook's `ParallelGroups`; never the default group
+implicitly; no pickle), checked on every rank (a malformed one is a ``ProtocolError`` reply
+naming the field), run collectively, and rank 0 replies with an `OwnerReply`: ``{"ok": true,
+...the op's reply (`BuildReply`, `VerifyReply`, ...)}`` or ``{"ok": false, "error": ...,
+"error_type": ...}``. An error on any rank fails the whole request.
 
 Built-in ops:
 - ``build`` {version, attempt, retry}: ``hook.build`` with each rank's payloads sent into its
@@ -42,6 +44,7 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -54,10 +57,23 @@ import torch.distributed as dist
 
 from megatron_dcr_hooks.groups import RankGroup
 from megatron_dcr_hooks.hook import DCRHook
+from shared_codec.coordination.protocol import (
+    AbortReply,
+    BuildReply,
+    CommitReply,
+    Guard,
+    OwnerOp,
+    OwnerReply,
+    OwnerRequest,
+    StatusReply,
+    VerifyReply,
+)
+from shared_codec.coordination.wire import Message
 from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
 from shared_codec.transport.base import Seal
 from shared_codec.transport.spec import Role, TransportSpec
 
+#: a job's own op: takes the request's plain object, returns the reply's fields
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -127,13 +143,12 @@ class OwnerService:
         self._broken = ""
 
     # -- ops (every rank) ----------------------------------------------------------------------
-    def _build(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _build(self, req: OwnerRequest) -> BuildReply:
         """Every rank sends its payloads into its sink while constructing and finishes it;
         after every rank reported (errors included: collectives never diverge), rank 0 seals
         the attempt (the object-store manifest, or the relay tree's completion: every node
         holds every payload). An error anywhere fails the request on every rank."""
-        version, attempt = int(req["version"]), int(req["attempt"])
-        retry = bool(req.get("retry", False))
+        version, attempt, retry = req.require("version"), req.require("attempt"), req.retry
         base = self.hook.committed_version
         error, rep, report = "", None, None
         with self.transport.open_sink(version=version, attempt=attempt, owner=self.rank) as sink:
@@ -172,19 +187,19 @@ class OwnerService:
         assert rep is not None
         if self._serving and self.hook.step_thread in (None, threading.get_ident()):
             self._held = (self._serves, version)
-        return {
-            "baseline_id": f"owners-v{base}",
-            "version": version,
-            "attempt": attempt,
-            "retry": retry,
-            "payload_bytes": sum(int(r["bytes"]) for r in per_rank),
-            "payloads": sum(len(r["ids"]) for r in per_rank),
-            "build_s": max(float(r["seconds"]) for r in per_rank),
-            "element_change_rate": rep.element_change_rate,
-        }
+        return BuildReply(
+            baseline_id=f"owners-v{base}",
+            version=version,
+            attempt=attempt,
+            retry=retry,
+            payload_bytes=sum(int(r["bytes"]) for r in per_rank),
+            payloads=sum(len(r["ids"]) for r in per_rank),
+            build_s=max(float(r["seconds"]) for r in per_rank),
+            element_change_rate=float(rep.element_change_rate),
+        )
 
-    def _commit(self, req: dict[str, Any]) -> dict[str, Any]:
-        version = int(req["version"])
+    def _commit(self, req: OwnerRequest) -> CommitReply:
+        version = req.require("version")
         if self.hook.committed_version != version:
             candidate = _candidate_version(self.hook)
             if candidate != version:
@@ -196,15 +211,15 @@ class OwnerService:
             # the owners advance to the candidate the engines hold without a second scan
             if self._serving:  # after the reply, before the next request (module docstring)
                 self._after_reply = lambda: self.hook.commit(verify=False)
-                return {"committed_version": version}
+                return CommitReply(committed_version=version)
             self.hook.commit(verify=False)
-        return {"committed_version": self.hook.committed_version}
+        return CommitReply(committed_version=self.hook.committed_version)
 
-    def _verify(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _verify(self, req: OwnerRequest) -> VerifyReply:
         """The candidate guard before the coordinator's compare-and-set: every rank checks its
         shards (hook.verify_candidate); any moved shard fails the op with `CandidateChanged`
         on every rank, naming them all."""
-        version = int(req["version"])
+        version = req.require("version")
         held = self._serving and self._held == (self._serves, version)
         error = ""
         try:
@@ -214,55 +229,61 @@ class OwnerService:
         errors = [e for e in _gather_json(error, self.groups.world) if e]
         if errors:
             raise CandidateChanged("; ".join(errors))
-        guard = "off" if not self.hook.config.candidate_guard else "held" if held else "scanned"
-        return {"version": version, "guard": guard}
+        if not self.hook.config.candidate_guard:
+            return VerifyReply(version=version, guard=Guard.OFF)
+        return VerifyReply(version=version, guard=Guard.HELD if held else Guard.SCANNED)
 
-    def _abort(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _abort(self, req: OwnerRequest) -> AbortReply:
         self.hook.abort()
-        return {"committed_version": self.hook.committed_version}
+        return AbortReply(committed_version=self.hook.committed_version)
 
-    def _status(self, req: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "committed_version": self.hook.committed_version,
-            "candidate": _candidate_version(self.hook),
-            "world": self.world,
-        }
+    def _status(self, req: OwnerRequest) -> StatusReply:
+        return StatusReply(
+            committed_version=self.hook.committed_version,
+            candidate=_candidate_version(self.hook),
+            world=self.world,
+        )
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Run one request on this rank; the reply of rank 0 is what the client sees."""
-        ops: dict[str, Handler] = {
-            "build": self._build,
-            "verify": self._verify,
-            "commit": self._commit,
-            "abort": self._abort,
-            "status": self._status,
-            **self.handlers,
+        """Run one request (an `OwnerRequest`'s plain object) on this rank: the plain
+        `OwnerReply` (the reply of rank 0 is what the client sees). A malformed request is a
+        `ProtocolError` reply naming the field."""
+        ops: dict[str, Callable[[OwnerRequest], Message]] = {
+            OwnerOp.BUILD: self._build,
+            OwnerOp.VERIFY: self._verify,
+            OwnerOp.COMMIT: self._commit,
+            OwnerOp.ABORT: self._abort,
+            OwnerOp.STATUS: self._status,
         }
-        op = req.get("op")
-        fn = ops.get(str(op))
-        if op not in ("verify", "status"):  # anything else may move the weights: no hold
+        op = req.get("op") if isinstance(req, dict) else None
+        if op not in (OwnerOp.VERIFY, OwnerOp.STATUS):  # anything else may move the weights
             self._held = None
         t0 = time.perf_counter()
         try:
             if self._broken:
                 raise OwnerBuildError(self._broken)
-            if fn is None:
-                raise ValueError(f"unknown op {op!r}; known: {sorted(ops)} and 'stop'")
-            out: dict[str, Any] = {"ok": True, **fn(req)}
+            request = OwnerRequest.parse(req)
+            if request.op in ops:
+                body = ops[request.op](request).to_wire()
+            elif request.op in self.handlers:  # a job's own op: its handler takes the plain object
+                body = self.handlers[request.op](req)
+            else:
+                known = sorted([*ops, *self.handlers])
+                raise ValueError(f"unknown op {request.op!r}; known: {known} and 'stop'")
+            reply = OwnerReply(ok=True, extra=body)
         except Exception as e:
-            out = {
-                "ok": False,
-                "error": f"rank {self.rank}: {type(e).__name__}: {e}",
-                "error_type": type(e).__name__,
-            }
+            reply = OwnerReply(
+                ok=False,
+                error=f"rank {self.rank}: {type(e).__name__}: {e}",
+                error_type=type(e).__name__,
+            )
             traceback.print_exc()
-        flag = torch.tensor([0 if out["ok"] else 1], dtype=torch.int64)
+        flag = torch.tensor([0 if reply.ok else 1], dtype=torch.int64)
         dist.all_reduce(flag, group=self.groups.world.group)  # an error on any rank fails it
-        if out["ok"] and int(flag[0]):
-            out = {"ok": False, "error": f"{op} failed on {int(flag[0])} other rank(s)"}
+        if reply.ok and int(flag[0]):
+            reply = OwnerReply(ok=False, error=f"{op} failed on {int(flag[0])} other rank(s)")
             self._after_reply = None
-        out["seconds"] = time.perf_counter() - t0
-        return out
+        return dataclasses.replace(reply, seconds=time.perf_counter() - t0).to_wire()
 
     def _finish(self) -> None:
         """Run what the last request left for after its reply (this rank only, no
@@ -317,14 +338,18 @@ class OwnerService:
                         if not isinstance(req, dict):
                             raise ValueError("request must be a JSON object")
                     except ValueError as e:
-                        sock.send(json.dumps({"ok": False, "error": f"bad request: {e}"}).encode())
+                        bad = OwnerReply(
+                            ok=False, error=f"bad request: {e}", error_type="ProtocolError"
+                        )
+                        sock.send(json.dumps(bad.to_wire()).encode())
                         req = {"op": "_skip"}
                 req = _broadcast_json(req, self.groups.world)
                 if req.get("op") == "_skip":
                     continue
-                if req.get("op") == "stop":
+                if req.get("op") == OwnerOp.STOP:
                     if sock is not None:
-                        sock.send(json.dumps({"ok": True, "stopped": True}).encode())
+                        stopped = OwnerReply(ok=True, extra={"stopped": True})
+                        sock.send(json.dumps(stopped.to_wire()).encode())
                     return
                 out = self.handle(req)
                 if sock is not None:

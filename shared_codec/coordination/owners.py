@@ -50,10 +50,14 @@ class RemoteOwners:
             self._sock.close(0)
             self._sock = None
 
-    def call(self, op: str, timeout_s: float | None = None, **fields: Any) -> OwnerReply:
-        """Send one `OwnerRequest`; return the checked `OwnerReply` (its op's fields in
-        ``extra``, readable as ``reply["field"]``) or raise the service's error as its DCR
-        class (`OwnerReply.raise_for`)."""
+    def call(self, op: str, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one `OwnerRequest`; return the checked `OwnerReply` as its plain object (the
+        op's fields at the top level), or raise the service's error as its DCR class
+        (`OwnerReply.raise_for`). The built-in ops below return their typed replies."""
+        return self.request(op, timeout_s, **fields).to_wire()
+
+    def request(self, op: str, timeout_s: float | None = None, **fields: Any) -> OwnerReply:
+        """`call`, returning the checked `OwnerReply` (the op's fields in ``extra``)."""
         import zmq
 
         known = {k: fields.pop(k) for k in ("version", "attempt", "retry") if k in fields}
@@ -76,23 +80,23 @@ class RemoteOwners:
 
     # -- coordinator Owners protocol -------------------------------------------------------------
     def build(self, version: int, attempt: int, retry: bool) -> BuildReply:
-        reply = self.call(OwnerOp.BUILD, version=version, attempt=attempt, retry=retry)
+        reply = self.request(OwnerOp.BUILD, version=version, attempt=attempt, retry=retry)
         return BuildReply.parse(reply.extra)
 
     def verify(self, version: int) -> VerifyReply:
-        return VerifyReply.parse(self.call(OwnerOp.VERIFY, version=version).extra)
+        return VerifyReply.parse(self.request(OwnerOp.VERIFY, version=version).extra)
 
     def commit(self, version: int) -> None:
-        CommitReply.parse(self.call(OwnerOp.COMMIT, version=version).extra)
+        CommitReply.parse(self.request(OwnerOp.COMMIT, version=version).extra)
 
     def abort(self, version: int, attempt: int) -> None:
-        AbortReply.parse(self.call(OwnerOp.ABORT, version=version, attempt=attempt).extra)
+        AbortReply.parse(self.request(OwnerOp.ABORT, version=version, attempt=attempt).extra)
 
     def status(self) -> StatusReply:
-        return StatusReply.parse(self.call(OwnerOp.STATUS).extra)
+        return StatusReply.parse(self.request(OwnerOp.STATUS).extra)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         try:
-            self.call(OwnerOp.STOP, timeout_s=timeout_s)
+            self.request(OwnerOp.STOP, timeout_s=timeout_s)
         finally:
             self.close()

@@ -233,3 +233,34 @@ def test_owner_service_reads_the_candidate_record(groups: ParallelGroups, tmp_pa
     assert not bad["ok"] and "candidate 1" in bad["error"]
     assert svc.handle({"op": "commit", "version": 1})["committed_version"] == 1
     assert svc.handle({"op": "status"})["candidate"] is None
+
+
+def test_owner_service_speaks_the_typed_protocol(groups: ParallelGroups, tmp_path: Any) -> None:
+    """Requests are checked `OwnerRequest`s (a malformed one is a ``ProtocolError`` reply naming
+    the field, and changes nothing); replies are `OwnerReply` envelopes around the op's typed
+    reply, which the coordinator side parses back."""
+    from megatron_dcr_hooks.service import OwnerService
+    from shared_codec.coordination.protocol import BuildReply, OwnerReply, StatusReply
+
+    model = FakeModel()
+    hook = DCRHook([model], _config(), groups=groups)
+    svc = OwnerService(hook, {"kind": "dir", "root": str(tmp_path / "p")}, "inproc://unused")
+    model.perturb(7)
+    for bad, says in (
+        (
+            {"op": "build", "version": "1", "attempt": 0},
+            "owner request: version must be an integer",
+        ),
+        ({"op": "build", "attempt": 0}, "owner request 'build': missing field 'version'"),
+        ({"op": "commit", "version": 1, "protocol": 2}, "protocol must be 1, got 2"),
+        ({"op": 5}, "owner request: op must be a string"),
+        ({"op": "nope"}, "unknown op 'nope'"),
+    ):
+        reply = OwnerReply.parse(svc.handle(bad))
+        assert not reply.ok and says in str(reply.error), (bad, reply)
+        assert reply.error_type in ("ProtocolError", "ValueError"), reply
+    assert hook.candidate is None and hook.committed_version == 0  # nothing changed
+    built = OwnerReply.parse(svc.handle({"op": "build", "version": 1, "attempt": 0}))
+    assert built.ok and BuildReply.parse(built.extra).version == 1
+    status = StatusReply.parse(OwnerReply.parse(svc.handle({"op": "status"})).extra)
+    assert (status.committed_version, status.candidate, status.world) == (0, 1, 1)
