@@ -546,3 +546,38 @@ def test_retention_removes_what_older_versions_left_and_keeps_the_commit_history
     assert s.control.exists("reports/e0/init/s0/rank0.json")
     assert s.commit_keys() == [_commit_key(v) for v in range(6)]
     assert s.coord.committed_version() == 5
+
+
+def test_a_version_other_than_the_next_is_refused_naming_it(tmp_path: Path) -> None:
+    """`refit(v)` / `prepare(v)` with v != committed + 1 raise `ArgumentError` (a DCR
+    `ProtocolError`, also a `ValueError`) naming ``version``, before any record or call."""
+    from shared_codec.errors import ArgumentError, ProtocolError
+
+    s = Setup(tmp_path)
+    for version in (0, 2, 7):
+        for call in (s.coord.refit, s.coord.prepare):
+            with pytest.raises(ArgumentError, match="^version: cannot refit version") as e:
+                call(version)
+            assert isinstance(e.value, ProtocolError) and isinstance(e.value, ValueError)
+            assert "the next one is 1" in str(e.value)
+    assert s.events.log == [] and s.attempt_keys(2) == [] and s.attempt_keys(1) == []
+    assert s.coord.refit().version == 1  # the next version goes through
+
+
+def test_an_ack_that_does_not_parse_fails_the_attempt_naming_the_field(tmp_path: Path) -> None:
+    """What an engine handle returns is checked (`EngineAck.parse`): a malformed ACK fails that
+    engine's attempt with the field named, and the retry commits."""
+    s = Setup(tmp_path)
+    real = s.engines[1].apply
+    calls = {"n": 0}
+
+    def bad_once(version: int, attempt: int, timeout_s: float) -> dict[str, Any]:
+        calls["n"] += 1
+        ack = real(version, attempt, timeout_s)
+        return {**ack, "elements_written": "3"} if calls["n"] == 1 else ack
+
+    s.engines[1].apply = bad_once  # type: ignore[method-assign]
+    result = s.coord.refit()
+    a0 = result.attempts[0]
+    assert "engine e1 ACK: elements_written must be an integer" in a0.failed["e1"], a0.failed
+    assert result.version == 1 and result.retries == 1

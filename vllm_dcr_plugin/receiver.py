@@ -454,13 +454,20 @@ class Receiver:
         }
 
     def check_version(self, version: int, what: str) -> None:
-        """`ProtocolError` naming `what` when `version` is not after this receiver's committed
-        version: a stale request (payloads of an old version are refused at staging anyway,
-        and once retention removed them a fetch would only wait out its timeout)."""
+        """`ProtocolError` naming `what` when `version` is not the next one after this
+        receiver's committed version: a stale request (payloads of an old version are refused
+        at staging anyway, and once retention removed them a fetch would only wait out its
+        timeout), or one beyond the next (nothing is ever published for it before the next
+        commits: the fetch would wait out its whole timeout)."""
         if version <= self.committed_version:
             raise ProtocolError(
                 f"{what}: version {version} is not after this receiver's committed version "
                 f"{self.committed_version} (a stale request); nothing fetched"
+            )
+        if version != self.committed_version + 1:
+            raise ProtocolError(
+                f"{what}: version {version} is not the next one after this receiver's committed "
+                f"version {self.committed_version} (versions are consecutive); nothing fetched"
             )
 
     def check_checkpoint(self, path: str, what: str) -> None:

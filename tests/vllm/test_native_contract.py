@@ -352,3 +352,45 @@ def test_send_weights_refuses_a_version_not_newer_than_committed(tmp_path: Path)
     with pytest.raises(ProtocolError, match="version must be an integer"):
         engine.send_weights(4.0)  # type: ignore[arg-type]
     assert owners.builds == [] and sorted(control.list("")) == keys
+
+
+def test_an_update_beyond_the_next_version_is_refused_at_once(
+    engine: DCRWeightTransferEngine, tmp_path: Path
+) -> None:
+    """An update whose version is not base_version + 1 (here 3 on base 0) is an ok:false report
+    naming it, written at once (issue 29: nothing is ever published for it, and the fetch
+    waited out its whole timeout); nothing changes."""
+    import time
+
+    engine.init_transfer_engine(engine.parse_init_info(_init(tmp_path, "gap")))
+    assert _report(tmp_path, reports.init_step("gap"))["ok"]
+    before = _state(engine)
+    t0 = time.monotonic()
+    engine.update_weights({**_UPDATE, "version": 3, "base_version": 0, "timeout_s": 60.0})
+    assert time.monotonic() - t0 < 5.0  # not its 60 s timeout
+    rep = _report(tmp_path, reports.update_step(3, 0))
+    assert rep["ok"] is False and rep["error"].startswith("ProtocolError: update_weights: "), rep
+    assert "version 3 must be base_version + 1 (1)" in rep["error"], rep
+    assert _state(engine) == before
+
+
+def test_send_weights_refuses_a_gap_naming_the_version(tmp_path: Path) -> None:
+    """`send_weights(v)` with v beyond committed + 1 is a `ProtocolError` naming ``version``
+    before any owner or engine is called (issue 29; it was a bare ValueError from the
+    coordinator)."""
+    from shared_codec.coordination.coordinator import Coordinator
+    from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerWeightTransferEngine
+
+    control = open_store({"kind": "dir", "root": str(tmp_path / "control")})
+    CommitLog(control).commit(
+        None, CommitRecord(version=0, base_version=0, baseline_id="b", attempt=0)
+    )
+    owners = FakeOwners()
+    coordinator = Coordinator(control, owners, [])  # type: ignore[arg-type]
+    engine = DCRTrainerWeightTransferEngine(client=RecordingClient(), coordinator=coordinator)
+    keys = sorted(control.list(""))
+    with pytest.raises(
+        ProtocolError, match=r"send_weights: bad arguments: .*committed version \+ 1 \(1\), got 5"
+    ):
+        engine.send_weights(5)
+    assert owners.builds == [] and sorted(control.list("")) == keys

@@ -448,3 +448,21 @@ def test_an_unexpected_exception_is_an_internal_error_reply(monkeypatch, caplog)
     assert "dcr_digest failed on rank 0" in caplog.text and "planted defect" in caplog.text
     monkeypatch.undo()
     assert ext.dcr_status()["ok"] and ext.dcr_digest()["digest"] == before
+
+
+def test_a_fetch_beyond_the_next_version_is_refused_at_once(tmp_path: Path) -> None:
+    """A ``dcr_fetch`` whose version is not committed + 1 is refused before anything is read
+    (issue 29: with a gap nothing is ever published for it, and the fetch waited out its whole
+    timeout); nothing changes, and the next version is fetched as usual."""
+    import time
+
+    ext, v0, v1 = _extension()
+    assert ext.dcr_prewarm(TABLE, 0)["ok"]
+    spec = _publish(tmp_path / "store", _payloads(ext, v0, v1))
+    before = _snapshot(ext)
+    t0 = time.monotonic()
+    reply = ext.dcr_fetch(spec, 3, 0, 60.0)
+    assert time.monotonic() - t0 < 5.0  # not its 60 s timeout
+    assert reply["ok"] is False and "version 3 is not the next one" in reply["error"], reply
+    assert "committed version 0" in reply["error"] and _snapshot(ext) == before
+    assert ext.dcr_fetch(spec, 1, 0, 10.0, {"verify": True})["ok"]
