@@ -141,8 +141,9 @@ def cmd_bench_affine(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from shared_codec.decode import decode_payload
     from shared_codec.errors import PayloadError
-    from shared_codec.format import decode_payload, peek_header
+    from shared_codec.format import peek_header
 
     key = bytes.fromhex(args.key) if args.key else None
     try:

@@ -13,8 +13,8 @@ BLAKE2b-256 over every byte before it, keyed with a shared secret when flag bit 
 The payload id is BLAKE2b-128 over every byte before the digest with the id field zeroed: a
 content hash, identical for identical content, used by receivers to deduplicate.
 
-`decode_payload` validates the magic, version, flags, every length, count, offset and index
-before touching memory, bounds decompression by the header and a global cap, and raises
+`peek_header` (here) and `decode_payload` (decode.py) validate the magic, version, flags, every
+length, count, offset and index before touching memory, bounds decompression by the header and a global cap, and raises
 `PayloadError` naming the payload and the field; it never mutates anything outside its output.
 No pickle anywhere.
 
@@ -39,13 +39,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from shared_codec import FORMAT_VERSION, compression, locations, values
-from shared_codec.dtypes import BY_CODE, dtype_of
+from shared_codec.dtypes import BY_CODE
 from shared_codec.errors import PayloadError
 from shared_codec.records import DeltaItem, Kind
 
@@ -271,7 +269,7 @@ class _Reader:
         return out
 
 
-def _bytes_view(data: object) -> memoryview:
+def bytes_view(data: object) -> memoryview:
     """`data` as a flat byte view; PayloadError for anything that is not bytes-like."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise PayloadError(f"payload <{type(data).__name__}>: field data: not bytes")
@@ -312,7 +310,7 @@ def peek_header(
     A keyed payload needs the key; an unkeyed payload is rejected when a key is configured (a
     receiver with a secret accepts only authenticated payloads).
     """
-    buf = _bytes_view(data)
+    buf = bytes_view(data)
     key = _check_key(key)
     label = f"<{len(buf)} bytes>"
     if len(buf) < PREFIX.size + HEAD.size + DIGEST_SIZE:
@@ -446,107 +444,3 @@ def peek_header(
         items=tuple(entries),
         total_len=len(buf),
     )
-
-
-def decode_payload(
-    data: bytes | memoryview,
-    *,
-    key: bytes | None = None,
-    max_body: int = DEFAULT_MAX_BODY,
-    max_items: int = DEFAULT_MAX_ITEMS,
-    destinations: Mapping[str, int] | None = None,
-) -> Payload:
-    """Validate and decode a whole payload. Raises PayloadError; never mutates its input.
-
-    `destinations` (numel of each destination tensor, by name), when given, is checked against
-    the header before the body is decompressed: an item naming another tensor, whose shape has
-    another numel, or that declares more entries than the destination holds, is rejected.
-    """
-    header = peek_header(data, key=key, verify=True, max_items=max_items)
-    if destinations is not None:
-        check_destinations(header, destinations)
-    return decode_body(data, header, max_body=max_body)
-
-
-def check_destinations(header: PayloadHeader, destinations: Mapping[str, int]) -> None:
-    """PayloadError unless every item names a tensor of `destinations` (numel by name) with
-    the same numel and at most that many entries. Header only: call it before `decode_body`."""
-    label = header.payload_id_hex
-    for i, e in enumerate(header.items):
-        f = f"items[{i}] ({e.name})"
-        want = destinations.get(e.name)
-        if want is None:
-            raise PayloadError(f"payload {label}: field {f}.name: no such destination tensor")
-        numel = _numel(e.shape)
-        if numel != want or e.count > want:
-            raise PayloadError(
-                f"payload {label}: field {f}.count: {e.count} entries of a {numel}-element "
-                f"item for a destination of {want} elements"
-            )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def decode_body(
-    data: bytes | memoryview, header: PayloadHeader, *, max_body: int = DEFAULT_MAX_BODY
-) -> Payload:
-    """Decode the body of `data`, whose header `peek_header` returned (verified) as `header`.
-
-    Decompression is bounded by `header.body_raw_len` (itself bounded by the item table, see
-    the module docstring) and by `max_body`, and so are the decoded values (count times item
-    size over all items); PayloadError for anything malformed.
-    """
-    label = header.payload_id_hex
-    buf = _bytes_view(data)
-    if len(buf) != header.total_len:
-        raise PayloadError(f"payload {label}: field length: header is of another payload")
-    # Sparse planes (v2) decode to more bytes than they store: the decoded values, which every
-    # v1 body held raw, are held to the cap as well, so `count` cannot outgrow it either.
-    decoded = sum(e.count * dtype_of(e.dtype).itemsize for e in header.items)
-    if decoded > max_body:
-        raise PayloadError(
-            f"payload {label}: field items.count: {decoded} bytes of values exceeds the cap "
-            f"{max_body}"
-        )
-    start = len(buf) - DIGEST_SIZE - header.body_stored_len
-    stored = buf[start : len(buf) - DIGEST_SIZE]
-    if header.flags & FLAG_ZSTD:
-        try:
-            raw = memoryview(compression.decompress_exact(stored, header.body_raw_len, max_body))
-        except ValueError as err:
-            raise PayloadError(f"payload {label}: field body: {err}") from None
-    else:
-        if header.body_raw_len > max_body:
-            raise PayloadError(f"payload {label}: field body_raw_len: exceeds cap {max_body}")
-        raw = stored
-    items: list[DeltaItem] = []
-    pos = 0
-    for i, entry in enumerate(header.items):
-        d = dtype_of(entry.dtype)
-        numel = _numel(entry.shape)
-        loc = raw[pos : pos + entry.loc_len]
-        pos += entry.loc_len
-        val = raw[pos : pos + entry.val_len]
-        pos += entry.val_len
-        try:
-            idx = locations.decode_locations(entry.loc_encoding, loc, entry.count, numel)
-            vals = values.decode_values(entry.val_encoding, val, entry.count, d.itemsize, d.bits_np)
-        except ValueError as err:
-            raise PayloadError(f"payload {label}: field items[{i}] ({entry.name}).{err}") from None
-        items.append(
-            DeltaItem(
-                name=entry.name,
-                dtype=entry.dtype,
-                shape=entry.shape,
-                owner=header.meta.owner,
-                kind=entry.kind,
-                indices=idx,
-                values=np.ascontiguousarray(vals),
-            )
-        )
-    return Payload(header=header, items=items)

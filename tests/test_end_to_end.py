@@ -17,7 +17,7 @@ import torch
 
 from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program, run_torchrun
 from shared_codec.checkpoint import load_checkpoint
-from shared_codec.format import decode_payload
+from shared_codec.decode import decode_payload
 
 # the tiny DeepSeek-V3 fixture: layer 0 dense, layer 1 MoE (dcr_tools/fixtures.py MLA_CONFIG)
 ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"

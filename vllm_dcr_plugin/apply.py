@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared_codec.decode import decode_payload
 from shared_codec.errors import LoaderConditionError
-from shared_codec.format import decode_payload
 from shared_codec.records import DeltaItem
 from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.intercept import ViewGeom, named_storages, param_snapshot

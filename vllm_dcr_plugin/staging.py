@@ -39,16 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from shared_codec.decode import decode_body
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import PayloadError, ProtocolError
-from shared_codec.format import (
-    DEFAULT_MAX_BODY,
-    ID_SIZE,
-    Payload,
-    PayloadHeader,
-    decode_body,
-    peek_header,
-)
+from shared_codec.format import DEFAULT_MAX_BODY, ID_SIZE, Payload, PayloadHeader, peek_header
 from shared_codec.records import Kind
 
 

@@ -37,8 +37,9 @@ import torch
 import zstandard
 
 from shared_codec.buckets import BucketConfig, encode_items
+from shared_codec.decode import decode_payload
 from shared_codec.dtypes import tensor_bits
-from shared_codec.format import Payload, PayloadMeta, decode_payload
+from shared_codec.format import Payload, PayloadMeta
 from shared_codec.locations import to_planes
 from shared_codec.records import DeltaItem, Kind, diff_tensors
 

@@ -29,8 +29,8 @@ from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
 from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
 from megatron_dcr_hooks.tasks import TaskKind, classify_tasks
 from shared_codec.checkpoint import bits_equal
+from shared_codec.decode import decode_payload
 from shared_codec.errors import CandidateChanged, DCRError, OwnerBuildError, ProtocolError
-from shared_codec.format import decode_payload
 from shared_codec.records import Kind, apply_items
 
 # -- DCRConfig -----------------------------------------------------------------------------------

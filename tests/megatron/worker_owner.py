@@ -66,8 +66,8 @@ def main() -> None:
     from megatron_dcr_hooks.conversion import export_hf_weights
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook, enable_dcr
     from shared_codec.checkpoint import bits_equal, load_checkpoint, save_checkpoint
+    from shared_codec.decode import decode_payload
     from shared_codec.dtypes import tensor_bits
-    from shared_codec.format import decode_payload
     from shared_codec.records import Kind, apply_items
 
     rank = dist.get_rank()

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared_codec.buckets import BucketConfig, BucketEncoder, encode_items
+from shared_codec.decode import decode_payload
 from shared_codec.dtypes import BY_NAME
-from shared_codec.format import PayloadMeta, decode_payload, encode_payload, peek_header
+from shared_codec.format import PayloadMeta, encode_payload, peek_header
 from shared_codec.records import (
     DeltaItem,
     Kind,

@@ -18,8 +18,9 @@ import zstandard
 
 from shared_codec import compression, locations
 from shared_codec import format as fmt
+from shared_codec.decode import decode_payload
 from shared_codec.errors import PayloadError
-from shared_codec.format import PayloadMeta, decode_payload, encode_payload, peek_header
+from shared_codec.format import PayloadMeta, encode_payload, peek_header
 from shared_codec.records import Kind, make_item
 
 META = PayloadMeta(version=2, base_version=1, attempt=0, owner=1, sequence=0)

@@ -34,9 +34,10 @@ from hypothesis.errors import InvalidArgument
 
 from shared_codec import compression
 from shared_codec import format as fmt
+from shared_codec.decode import decode_payload
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import PayloadError, RelayMessageError
-from shared_codec.format import PayloadMeta, decode_payload, encode_payload
+from shared_codec.format import PayloadMeta, encode_payload
 from shared_codec.records import Kind, make_item
 from shared_codec.transport.relay import messages as m
 

@@ -14,14 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared_codec.format import (
-    ID_OFFSET,
-    VERSION,
-    PayloadMeta,
-    decode_payload,
-    encode_payload,
-    peek_header,
-)
+from shared_codec.decode import decode_payload
+from shared_codec.format import ID_OFFSET, VERSION, PayloadMeta, encode_payload, peek_header
 from shared_codec.records import Kind, make_item
 
 GOLDEN = Path(__file__).with_name("golden")

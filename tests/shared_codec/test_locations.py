@@ -9,7 +9,8 @@ import pytest
 import zstandard
 
 from shared_codec import compression, locations, planes, values
-from shared_codec.format import PayloadMeta, decode_payload, encode_payload, peek_header
+from shared_codec.decode import decode_payload
+from shared_codec.format import PayloadMeta, encode_payload, peek_header
 from shared_codec.records import Kind, make_item
 
 META = PayloadMeta(version=2, base_version=1, attempt=0, owner=0, sequence=0)
