@@ -26,28 +26,28 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-browser test test-fast test-slow test-gpu test-trainer test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-browser test test-unit test-slow test-gpu test-trainer test-trainer311 lint demo clean
 
 setup: $(STAMP) setup-trainer setup-browser
 
 setup-trainer: $(TRAINER_STAMP)
 	@echo "[setup-trainer] $(TRAINER_VENV) ready: $$($(TPY) --version), stamp $(TRAINER_STAMP)"
 
-# chromium renders the demo's report.html in tests/test_demo_report.py (skipped without it).
+# chromium renders the demo's report.html in tests/unit/test_demo_report.py (skipped without it).
 # Idempotent: installs only when missing, and only as root with apt-get; says what it did.
 setup-browser:
 	@if command -v chromium >/dev/null 2>&1; then \
 	  echo "[setup] chromium present: $$(command -v chromium)"; \
 	elif [ "$$(id -u)" != 0 ]; then \
-	  echo "[setup] chromium missing, not root: not installed (tests/test_demo_report.py skips; as root: apt-get install -y chromium)"; \
+	  echo "[setup] chromium missing, not root: not installed (tests/unit/test_demo_report.py skips; as root: apt-get install -y chromium)"; \
 	elif ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "[setup] chromium missing, no apt-get: not installed (tests/test_demo_report.py skips)"; \
+	  echo "[setup] chromium missing, no apt-get: not installed (tests/unit/test_demo_report.py skips)"; \
 	else \
 	  echo "[setup] chromium missing: apt-get install -y chromium"; \
 	  if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then \
 	    echo "[setup] installed $$(chromium --version 2>/dev/null)"; \
 	  else \
-	    echo "[setup] WARNING: apt-get install chromium failed (tests/test_demo_report.py skips)"; \
+	    echo "[setup] WARNING: apt-get install chromium failed (tests/unit/test_demo_report.py skips)"; \
 	  fi; \
 	fi
 
@@ -121,9 +121,11 @@ $(TRAINER_STAMP): pyproject.toml Makefile
 	echo "[setup-trainer] done in $$(( $$(date +%s) - start )) s ($$(du -sh $(TRAINER_VENV) | cut -f1))"
 
 # pytest runs on the rollout env (.venv, 3.11): vLLM engines in-process or as children there,
-# trainer ranks on .venv-trainer. Then the in-process units (codec, layering, owner side with
-# megatron-core 0.19.2 / megatron-bridge 0.6.2) run once more on the trainer interpreter.
-TRAINER_UNITS := -m "not slow and not s3 and not megatron and not vllm" tests/shared_codec tests/test_layering.py tests/megatron
+# trainer ranks on .venv-trainer. Then the unit folder (tests/unit: in-process, no engine, no
+# ranks; codec, layering, owner side with megatron-core 0.19.2 / megatron-bridge 0.6.2) runs once
+# more on the trainer interpreter, where the modules that need vLLM skip with that reason.
+# tests/integration holds everything that starts processes (engines, ranks, S3, relay trees).
+TRAINER_UNITS := tests/unit
 test: setup
 	@start=$$(date +%s); \
 	$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
@@ -131,14 +133,19 @@ test: setup
 	$(TPY) -m pytest -q $(TRAINER_UNITS); rc2=$$?; \
 	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; [ $$rc = 0 ] && exit $$rc2; exit $$rc
 
-# just the in-process units on the trainer interpreter (Python 3.12)
+# the unit folder on both interpreters (about a minute each)
+test-unit: setup
+	$(VPY) -m pytest -q tests/unit $(PYTEST_ARGS)
+	$(TPY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# just the unit folder on the trainer interpreter (Python 3.12)
 test-trainer: setup
 	$(TPY) -m pytest $(TRAINER_UNITS) $(PYTEST_ARGS)
 
 test-slow: setup
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
 
-# The GPU lane: only the tests marked gpu (the cuda cases of tests/test_gpu_lane.py). Without
+# The GPU lane: only the tests marked gpu (the cuda cases of tests/integration/test_gpu_lane.py). Without
 # CUDA it says so and pytest lists each as skipped with the reason; on a device machine without
 # this environment, scripts/gpu_lane.sh runs the same tests plus a short timing.
 test-gpu: setup
@@ -148,7 +155,7 @@ test-gpu: setup
 # The Python 3.11 lane: the owner tests (every test that starts trainer ranks) with the ranks on
 # the rollout environment's megatron-core 0.16.1 / megatron-bridge 0.3.1 instead of .venv-trainer.
 test-trainer311: setup
-	DCR_TRAINER_PYTHON=$(VPY) $(VPY) -m pytest -m "megatron and not slow" tests/megatron $(PYTEST_ARGS)
+	DCR_TRAINER_PYTHON=$(VPY) $(VPY) -m pytest -m "megatron and not slow" tests/integration/megatron $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -4,5 +4,5 @@ The ``dcr`` command line (`cli`), the end-to-end demo (`demo`), the benchmarks (
 tiny-model fixtures (`fixtures`), the reference Megatron trainers and RL trainer job
 (`trainers`), and one set of process helpers (`procs`) used by the demo, the benchmarks and the
 tests. The product packages (`shared_codec`, `vllm_dcr_plugin`, `megatron_dcr_hooks`) never
-import this package (tests/test_layering.py).
+import this package (tests/unit/test_layering.py).
 """

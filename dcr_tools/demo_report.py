@@ -3,7 +3,7 @@
 The demo (`dcr_tools.demo`) builds a report dict, prints `table_header` and one `table_row` per
 step while it runs, and hands the finished dict to `write_report`. Everything here is pure
 (no processes, no network), so the rendering is testable on a hand-built dict
-(``tests/test_demo_report.py`` checks the page in a headless browser).
+(``tests/unit/test_demo_report.py`` checks the page in a headless browser).
 
 The report dict: ``refit``, ``transport``, ``steps``, ``kill_every``, ``checkpoint_bytes``,
 ``all_bit_exact``, ``final_digest``, ``rows`` (one dict per step: ``step``, ``reward_mean``,

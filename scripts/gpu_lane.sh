@@ -15,7 +15,7 @@ echo "[gpu-lane] python: $PY"
 if ! "$PY" -c 'import sys, torch; print("[gpu-lane] torch", torch.__version__, "| CUDA:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"); sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "[gpu-lane] no CUDA device: the gpu tests below are skipped (reason shown) and nothing is timed"
 fi
-"$PY" -m pytest -m gpu -ra -p no:cacheprovider tests/test_gpu_lane.py 2>&1 | tee "$OUT/pytest.txt"
+"$PY" -m pytest -m gpu -ra -p no:cacheprovider tests/integration/test_gpu_lane.py 2>&1 | tee "$OUT/pytest.txt"
 rc=${PIPESTATUS[0]}
 "$PY" -m dcr_tools.bench.device --json "$OUT/gpu_lane.json" "$@"
 exit "$rc"

@@ -134,7 +134,7 @@ FIGURES = (
 )
 
 
-# --- pure arithmetic (unit-tested on synthetic numbers: tests/test_bench_refit_units.py) ---
+# --- pure arithmetic (unit-tested on synthetic numbers: tests/unit/test_bench_refit_units.py) ---
 
 
 def lower_bound(construct_s: float, payload_bytes: float, bytes_per_s: float) -> float:
