@@ -1,3 +1,5 @@
-"""Coordination of refits, side by side: the coordinator (`coordinator`), the commit record
-(`commit`), the client of the trainer job's owner service (`owners`) and the HTTP handle on a
-``vllm serve`` engine (`engines`). Nothing here imports vLLM or Megatron."""
+"""Coordination of refits: the typed control-plane protocol (`protocol`, on `wire`), one engine
+handle over channels (`handle`; the ``dcr_*`` RPC channel base `rpc_channel`; HTTP, Ray and
+in-process channels in `engines`), the coordinator (`coordinator`), the commit record
+(`commit`), retention (`retention`) and the client of the trainer job's owner service
+(`owners`). Nothing here imports vLLM or Megatron."""

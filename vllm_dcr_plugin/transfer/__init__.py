@@ -5,7 +5,8 @@ RPCs are front door 1, and both drive the same per-worker receiver).
   engine started with ``--weight-transfer-config '{"backend": "dcr"}'``.
 - Trainer side: `trainer_engine.DCRTrainerWeightTransferEngine` with `DCRTrainerInitInfo`, used
   through ``WeightTransferTrainerFactory.trainer_init`` with vLLM's own
-  ``HTTPVLLMWeightSyncClient`` / ``RayVLLMWeightSyncClient``.
+  ``HTTPVLLMWeightSyncClient`` / ``RayVLLMWeightSyncClient``; each engine is a `NativeEngine`,
+  the coordinator's engine handle over the native channel (`native`).
 - Results travel as per-rank reports in the control store (`reports`).
 
 `register_backends()` registers both under the name ``dcr`` (lazily: modules are imported when

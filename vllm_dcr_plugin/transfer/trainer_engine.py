@@ -12,7 +12,7 @@ An orchestrator written against vLLM's trainer API switches to DCR by name::
 ``send_weights`` runs DCR's coordinator (shared_codec.coordination): owners (the trainer job's
 owner service) build and publish the attempt, every engine fetches and applies it, the commit
 record is compare-and-set, owners advance their baselines; a failed attempt is fenced and retried
-with overwrites. The engines are reached only through vLLM's client (`NativeEngine` below),
+with overwrites. The engines are reached only through vLLM's client (`native.NativeEngine`),
 mapping DCR's joint commit onto vLLM's four phases (docs/protocol.md, "Native weight transfer"):
 
 - ``init_weight_transfer_engine``: prewarm (and a dense load of the committed version when the
