@@ -40,9 +40,16 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def tensor_digest(t: torch.Tensor) -> str:
     """BLAKE2b-128 hex digest of (dtype, shape, stored bytes) of `t`."""
     t = t.detach().cpu().contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().data
+    return bytes_digest(str(t.dtype), tuple(t.shape), raw)
+
+
+def bytes_digest(dtype: str, shape: Iterable[int], data: bytes | memoryview) -> str:
+    """`tensor_digest` of a tensor given as its dtype (``"torch.bfloat16"``), shape and stored
+    bytes (any buffer, e.g. a memory map of a safetensors file: nothing is copied)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(f"{dtype}|{tuple(int(s) for s in shape)}|".encode())
+    h.update(data)
     return h.hexdigest()
 
 

@@ -15,8 +15,10 @@ an RPC or wire boundary are `ProtocolError` / `PayloadError`.
     ├── CommitConflict        the commit compare-and-set lost
     ├── EngineUnreachable     a rollout engine did not answer
     ├── RefitFailed           every attempt of a transition failed
-    └── OwnerBuildError       the owners could not build or hand off an attempt
-        └── CandidateChanged  the trainer's weights moved after the build (nothing committed)
+    ├── OwnerBuildError       the owners could not build or hand off an attempt
+    │   └── CandidateChanged  the trainer's weights moved after the build (nothing committed)
+    └── ReplicaError          the canonical replica's store refused or could not do an operation
+        └── LeaseHeld         a slot a stage must write is leased by a reader (nothing changed)
 """
 
 
@@ -109,6 +111,19 @@ class CandidateChanged(OwnerBuildError):
     applied the attempt are dirty until a later attempt or a dense load repairs them. Build the
     version again from the current weights (a new attempt 0) once the trainer holds still.
     """
+
+
+class ReplicaError(DCRError):
+    """The rollout cluster's canonical replica store (`shared_codec.replica`) refused an
+    operation (a root holding another checkpoint, a commit of a version that is not staged, a
+    version no slot holds) or found its files unusable. State left behind: a refusal changed
+    nothing; the committed version stays readable and bit-exact (docs/replica.md)."""
+
+
+class LeaseHeld(ReplicaError):
+    """A stage or abort needed to write a slot that a reader leases (`ReplicaStore.lease`) and
+    the lease was not released within the timeout; the message names the lease holders. State
+    left behind: nothing changed (no log written, no slot touched)."""
 
 
 def error_class(name: str) -> type[DCRError]:
