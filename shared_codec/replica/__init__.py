@@ -1,0 +1,26 @@
+"""The rollout cluster's canonical replica: the committed checkpoint on local disk, kept
+current by applying the refit payloads in canonical coordinates (no vLLM, no Megatron), so
+restores and late joins load from it instead of a trainer export (issue 31; docs/replica.md).
+
+Modules, one concept each:
+- `store.py`: `ReplicaStore` (bootstrap, stage, abort, commit, recover, checkpoint_for, lease,
+  digest) and the fsync discipline;
+- `transition.py`: an attempt's payloads -> validated log record (changed indices, old and new
+  bits per tensor);
+- `log.py`: the write-ahead log record format (checksummed, written before any slot write);
+- `state.py`: ``STATE.json`` (committed version and slot, what each slot holds), replaced
+  atomically;
+- `layout.py`: where each tensor lies in the safetensors files; in-place reads and writes
+  through memory maps;
+- `leases.py`: reader leases and the store's slot write locks (flock);
+- `durable.py`: atomic replace, directory fsync, durable copies.
+
+Limitations:
+1. The storage core only: the coordinator channel, the HTTP server, restore and join come
+   later (issue 31, items 1-2).
+"""
+
+from shared_codec.replica.leases import lease
+from shared_codec.replica.store import CRASH_POINTS, ReplicaStatus, ReplicaStore, StageResult
+
+__all__ = ["CRASH_POINTS", "ReplicaStatus", "ReplicaStore", "StageResult", "lease"]
