@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import time
@@ -64,8 +65,7 @@ from typing import Any
 
 from shared_codec.checkpoint import combined_digest
 from shared_codec.errors import ArgumentError, ProtocolError, ReplicaError
-from shared_codec.replica import durable
-from shared_codec.replica import leases
+from shared_codec.replica import durable, leases
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
 from shared_codec.replica.log import LogCorrupt, Record, parse_name, read_record, write_record
 from shared_codec.replica.state import (
@@ -81,6 +81,7 @@ from shared_codec.replica.state import (
 from shared_codec.replica.transition import build_record, decode_attempt
 
 LOG_DIR = "log"
+log = logging.getLogger("dcr.replica")
 
 #: where the test-only crash hook may fire, in the order a stage / commit / abort reaches them
 #: ("<x>_tmp": a STATE.json or record temporary is written and fsynced, not yet renamed)
@@ -198,7 +199,13 @@ class ReplicaStore:
         self._layout: dict[str, TensorLoc] | None = None
         self._digests: dict[str, str] | None = None  # per tensor, of the committed version
         self._staged: tuple[int, int, dict[str, str]] | None = None  # version, attempt, digests
-        self.recover()
+        #: how often a repair copied the committed slot because a log record was unusable
+        self.copies = 0
+        try:
+            self.recover()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Release the writer lock (the store's state is durable at every point)."""
@@ -386,9 +393,9 @@ class ReplicaStore:
         with SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files:
             try:
                 self._undo(files, st, dirty, dirty.touched[:-1], "undo_partial")
-            except LogCorrupt:
+            except LogCorrupt as e:
                 files.close()
-                self._copy_committed(st)
+                self._copy_committed(st, e)
             for i, c in enumerate(rec.changes):
                 files.put(c.name, c.indices, c.new)
                 if i == 0:
@@ -425,9 +432,14 @@ class ReplicaStore:
                 if i == 0:
                     _at("catchup_partial")
 
-    def _copy_committed(self, st: ReplicaState) -> None:
-        """Make the shadow's files the committed slot's, file by file, each atomically."""
+    def _copy_committed(self, st: ReplicaState, why: LogCorrupt) -> None:
+        """Make the shadow's files the committed slot's, file by file, each atomically (the
+        allowed fallback when a record is unusable: logged and counted in `copies`)."""
         src, dst = slot_dir(self.root, st.committed_slot), slot_dir(self.root, st.shadow)
+        self.copies += 1
+        log.warning(
+            "%s: %s; copying slot %d over slot %d", self.root, why, st.committed_slot, st.shadow
+        )
         for rel in durable.files_of(src):
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             durable.copy_file(src / rel, dst / rel)
@@ -448,9 +460,9 @@ class ReplicaStore:
             try:
                 self._undo(files, st, sh, sh.touched, "repair_partial")
                 files.sync()
-            except LogCorrupt:
+            except LogCorrupt as e:
                 files.close()
-                self._copy_committed(st)
+                self._copy_committed(st, e)
         clean = SlotState(status=SlotStatus.CLEAN, version=st.committed)
         self._save(st.with_slot(st.shadow, clean), "clean")
         self._staged = None

@@ -1,0 +1,375 @@
+"""The canonical replica's store (shared_codec/replica): real files (a sharded safetensors
+checkpoint), real payloads from the codec's encoder, oracles by stored bits.
+
+Bootstrap and five stage/commit transitions (XOR, overwrite, mixed) bit-exact against
+`records.apply_items`; overwrite retries after a partial attempt; abort; refusals of stale,
+duplicate, foreign, corrupt and truncated payloads that change nothing; leases; recovery from
+a dirty slot whose log record is missing or torn. Crash points are killed for real in
+tests/integration/shared_codec/test_replica_kill.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared_codec.checkpoint import combined_digest, load_checkpoint, state_digests
+from shared_codec.errors import (
+    ArgumentError,
+    LeaseHeld,
+    PayloadError,
+    ProtocolError,
+    ReplicaError,
+)
+from shared_codec.records import Kind, make_item
+from shared_codec.replica import ReplicaStore, lease
+from shared_codec.replica.log import LogCorrupt, read_record, record_name
+from shared_codec.replica.state import STATE_FILE, SlotStatus
+from tests.unit.shared_codec.replica_cases import (
+    applied,
+    encode,
+    evolve,
+    items_between,
+    other_files,
+    same_bits,
+    tensor_files,
+    write_checkpoint,
+)
+
+KINDS = ("xor", "overwrite", "mixed", "xor", "overwrite")
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("replica") / "initial")
+
+
+@pytest.fixture(scope="module")
+def lineage(initial) -> list[dict[str, torch.Tensor]]:
+    """oracle[v] for v = 0..5: the initial tensors, then each evolved from the previous."""
+    out = [load_checkpoint(initial)]
+    for v in range(1, 6):
+        out.append(evolve(out[-1], seed=v))
+    return out
+
+
+@pytest.fixture
+def store(tmp_path, initial):
+    s = ReplicaStore(tmp_path / "root")
+    s.bootstrap(initial)
+    yield s
+    s.close()
+
+
+def payloads(lineage, v: int, attempt: int = 0, kind: str = "xor", **kw) -> list[bytes]:
+    return encode(items_between(lineage[v - 1], lineage[v], kind), v, attempt, **kw)
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """A hash of every file under the root but the lease directory (what 'nothing changed'
+    compares)."""
+    out = {}
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and "leases" not in f.relative_to(root).parts:
+            out[str(f.relative_to(root))] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
+def test_five_versions_bit_exact(store, initial, lineage) -> None:
+    files0, mapping0 = other_files(initial), tensor_files(initial)
+    for v, kind in enumerate(KINDS, start=1):
+        res = store.stage(v, 0, payloads(lineage, v, kind=kind))
+        assert res.digest == combined_digest(state_digests(lineage[v]))
+        assert res.base_version == v - 1 and res.elements > 0 and res.payloads >= 4
+        assert store.commit(v) is True
+        assert store.commit(v) is False  # a repeated commit
+        path = store.checkpoint_for(v)
+        assert same_bits(load_checkpoint(path), lineage[v]) == []
+        assert other_files(path) == files0
+        assert tensor_files(path) == mapping0
+        # the other slot still holds v - 1 cleanly (it catches up at the next stage)
+        assert same_bits(load_checkpoint(store.checkpoint_for(v - 1)), lineage[v - 1]) == []
+        assert store.digest() == res.digest
+        assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(v, 0)]
+    with pytest.raises(ReplicaError, match="version 3 is not held"):
+        store.checkpoint_for(3)
+    # a reopened store recomputes the committed digest from the files
+    store.close()
+    again = ReplicaStore(store.root)
+    assert again.digest() == combined_digest(state_digests(lineage[5]))
+    assert again.status().committed == 5
+    again.close()
+
+
+def test_bootstrap_is_idempotent_and_refuses_another_checkpoint(tmp_path, initial) -> None:
+    root = tmp_path / "root"
+    with ReplicaStore(root) as s:
+        with pytest.raises(ProtocolError, match="not bootstrapped"):
+            s.stage(1, 0, [])
+        s.bootstrap(initial)
+        before = snapshot(root)
+        assert s.bootstrap(initial).committed == 0  # the same checkpoint: nothing to do
+        assert snapshot(root) == before
+        other = tmp_path / "other"
+        other.mkdir()
+        for f in initial.iterdir():
+            (other / f.name).write_bytes(f.read_bytes())
+        (other / "config.json").write_text("{}")
+        with pytest.raises(ReplicaError, match="already holds a replica bootstrapped from"):
+            s.bootstrap(other)
+        with pytest.raises(ReplicaError, match="already holds"):
+            s.bootstrap(initial, version=3)
+        assert snapshot(root) == before
+        with pytest.raises(ReplicaError, match="another process holds"):
+            ReplicaStore(root)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with ReplicaStore(busy) as s, pytest.raises(ReplicaError, match="not empty"):
+        s.bootstrap(initial)
+    with ReplicaStore(tmp_path / "at7") as s:
+        assert s.bootstrap(initial, version=7).committed == 7
+        assert s.checkpoint_for(7).name == "slot0"
+
+
+def test_overwrite_retry_after_partial_attempt(store, lineage) -> None:
+    # attempt 0 of version 1: only owner 0's payloads arrived, and a bogus XOR of elements
+    # version 1 does not change: the retry must undo both
+    partial = [it for it in items_between(lineage[0], lineage[1], "xor") if it.owner == 0]
+    name = sorted(lineage[0])[1]
+    bogus = make_item(name, lineage[0][name].dtype, lineage[0][name].shape, 1, Kind.XOR,
+                      torch.arange(0, 64, 2).numpy(), torch.full((32,), 0x5A5A).numpy().astype("uint16"))  # fmt: skip
+    r0 = store.stage(1, 0, encode([*partial, bogus], 1, 0))
+    assert r0.digest == combined_digest(state_digests(applied(lineage[0], [*partial, bogus])))
+    with pytest.raises(ProtocolError, match="already staged"):
+        store.stage(1, 0, encode(partial, 1, 0))
+    r1 = store.stage(1, 1, payloads(lineage, 1, attempt=1, kind="overwrite"))
+    assert r1.digest == combined_digest(state_digests(lineage[1]))
+    assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(1, 1)]
+    with pytest.raises(ProtocolError, match="attempt 0 is not staged"):
+        store.commit(1, attempt=0)
+    store.commit(1, attempt=1)
+    assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+    # version 2 catches the lagging slot up (replays version 1's record), then retries too
+    store.stage(2, 0, payloads(lineage, 2, 0, "xor")[:2])
+    store.stage(2, 5, payloads(lineage, 2, attempt=5, kind="mixed"))
+    store.commit(2)
+    assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+    assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def test_abort(store, lineage) -> None:
+    store.stage(1, 0, payloads(lineage, 1))
+    assert store.abort(1, 3) is False  # another attempt: nothing to undo
+    assert store.abort(1, 0) is True
+    assert store.abort(1, 0) is False
+    st = store.status()
+    assert [s.status for s in st.slots] == [SlotStatus.CLEAN, SlotStatus.CLEAN]
+    assert same_bits(load_checkpoint(store.root / "slot1"), lineage[0]) == []
+    assert list((store.root / "log").iterdir()) == []
+    with pytest.raises(ProtocolError, match="not staged"):
+        store.commit(1)
+    store.stage(1, 1, payloads(lineage, 1, attempt=1))
+    store.commit(1)
+    # aborting a stage that also caught the lagging slot up leaves it clean at the committed
+    store.stage(2, 0, payloads(lineage, 2))
+    assert store.abort(2, 0) is True
+    st = store.status()
+    assert st.slots[0].status == SlotStatus.CLEAN and st.slots[0].version == 1
+    assert same_bits(load_checkpoint(store.root / "slot0"), lineage[1]) == []
+    assert store.checkpoint_for(1) == store.root / "slot1"  # the committed slot first
+    store.stage(2, 1, payloads(lineage, 2, attempt=1))
+    store.commit(2)
+    assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    b = bytearray(data)
+    b[at] ^= 0x40
+    return bytes(b)
+
+
+def test_refusals_change_nothing(tmp_path, initial, lineage) -> None:
+    with ReplicaStore(tmp_path / "root") as store:
+        store.bootstrap(initial)
+        store.stage(1, 0, payloads(lineage, 1))
+        store.commit(1)
+        good = payloads(lineage, 2)
+        names = sorted(lineage[0])
+        t = lineage[0][names[0]]
+        foreign_shape = make_item(names[0], t.dtype, (t.numel(),), 0, Kind.XOR,
+                                  torch.tensor([1]).numpy(), torch.tensor([1]).numpy().astype("uint16"))  # fmt: skip
+        unknown = make_item("model.not_here.weight", torch.bfloat16, (4,), 0, Kind.XOR,
+                            torch.tensor([1]).numpy(), torch.tensor([1]).numpy().astype("uint16"))  # fmt: skip
+        cases = {
+            "stale": (2, 0, payloads(lineage, 1), PayloadError, "field base_version"),
+            "other version": (
+                2,
+                0,
+                encode(items_between(lineage[1], lineage[2], "xor"), 3, 0, base=1),
+                PayloadError,
+                "field version",
+            ),  # fmt: skip
+            "other attempt": (2, 1, good, PayloadError, "field attempt"),
+            "duplicate": (2, 0, [*good, good[0]], PayloadError, "duplicate"),
+            "xor twice": (
+                2,
+                0,
+                [
+                    *good,
+                    *encode(items_between(lineage[1], lineage[2], "xor")[:1], 2, 0, sequence=50),
+                ],  # fmt: skip
+                PayloadError,
+                "already XORed",
+            ),
+            "corrupt": (2, 0, [good[0], _flip(good[1], len(good[1]) // 2)], PayloadError, "digest"),
+            "truncated": (2, 0, [good[0][:-7]], PayloadError, "payload"),
+            "not bytes": (2, 0, ["text"], PayloadError, "not bytes"),
+            "keyed": (2, 0, payloads(lineage, 2, key=b"k" * 16), PayloadError, "no key configured"),
+            "wrong shape": (2, 0, encode([foreign_shape], 2, 0), PayloadError, "items"),
+            "unknown tensor": (2, 0, encode([unknown], 2, 0), PayloadError, "no such destination"),
+            "gap": (3, 0, good, ArgumentError, "not the next one"),
+            "stale version": (1, 0, good, ArgumentError, "not the next one"),
+            "negative attempt": (2, -1, good, ArgumentError, "attempt"),
+        }
+        before, digest = snapshot(store.root), store.digest()
+        for label, (v, a, pls, err, match) in cases.items():
+            with pytest.raises(err, match=match):
+                store.stage(v, a, pls)
+            assert snapshot(store.root) == before, label
+            assert store.digest() == digest, label
+        with pytest.raises(ProtocolError, match="not staged"):
+            store.commit(2)
+        assert snapshot(store.root) == before
+        # and the store still works
+        assert store.stage(2, 0, good).digest == combined_digest(state_digests(lineage[2]))
+
+
+def test_keyed_payloads(tmp_path, initial, lineage) -> None:
+    key = b"s" * 32
+    with ReplicaStore(tmp_path / "root", key=key) as store:
+        store.bootstrap(initial)
+        with pytest.raises(PayloadError, match="unauthenticated"):
+            store.stage(1, 0, payloads(lineage, 1))
+        with pytest.raises(PayloadError, match="digest"):
+            store.stage(1, 0, payloads(lineage, 1, key=b"x" * 32))
+        store.stage(1, 0, payloads(lineage, 1, key=key))
+        store.commit(1)
+        assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def test_leases(store, lineage) -> None:
+    # a lease of the committed version never blocks a stage (the committed slot is not written)
+    with store.lease(0, holder="restore engine-0") as path:
+        assert path == store.root / "slot0"
+        store.stage(1, 0, payloads(lineage, 1))
+        with pytest.raises(ReplicaError, match="version 1 is not held"):
+            with store.lease(1):
+                pass
+        store.commit(1)
+    # slot0 now holds version 0 = committed - 1: leasing it blocks the stage that would dirty it
+    before = snapshot(store.root)
+    with lease(store.root, 0, holder="restore engine-1") as path:
+        assert path == store.root / "slot0"
+        with pytest.raises(LeaseHeld, match=r"slot 0 is leased \(pid \d+ \(restore engine-1"):
+            store.stage(2, 0, payloads(lineage, 2))
+        assert snapshot(store.root) == before
+        assert same_bits(load_checkpoint(path), lineage[0]) == []
+    # a stage waits for a lease released within its timeout
+    held = threading.Event()
+
+    def reader() -> None:
+        with store.lease(0, holder="slow reader"):
+            held.set()
+            time.sleep(0.3)
+
+    th = threading.Thread(target=reader)
+    th.start()
+    held.wait(5)
+    t0 = time.monotonic()
+    store.stage(2, 0, payloads(lineage, 2), lease_timeout_s=10)
+    assert time.monotonic() - t0 >= 0.2
+    th.join()
+    with pytest.raises(ReplicaError, match="version 0 is not held"):
+        with store.lease(0):
+            pass
+    store.commit(2)
+    with store.lease(1) as p1, store.lease(2) as p2:  # both slots held at once
+        assert {p1.name, p2.name} == {"slot0", "slot1"}
+    assert list((store.root / "leases").glob("slot*.*.*")) == []  # holder files removed
+
+
+def _dirty(root: Path, touched: list[int]) -> None:
+    """Rewrite STATE.json as if a crash left the shadow dirty after writing `touched`."""
+    st = json.loads((root / STATE_FILE).read_text())
+    sh = 1 - st["committed_slot"]
+    st["slots"][sh] = {
+        "status": "dirty", "version": st["committed"], "target": st["committed"] + 1,
+        "attempt": None, "touched": touched,
+    }  # fmt: skip
+    (root / STATE_FILE).write_text(json.dumps(st))
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_recover_copies_the_committed_slot_when_the_log_is_unusable(
+    tmp_path, initial, lineage, damage
+) -> None:
+    root = tmp_path / "root"
+    with ReplicaStore(root) as store:
+        store.bootstrap(initial)
+        store.stage(1, 0, payloads(lineage, 1))
+    rec = root / "log" / record_name(1, 0)
+    _dirty(root, [0])
+    if damage == "missing":
+        rec.unlink()
+    else:
+        rec.write_bytes(rec.read_bytes()[:-100])
+        with pytest.raises(LogCorrupt, match="checksum"):
+            read_record(root / "log", 1, 0)
+    with ReplicaStore(root) as store:
+        assert store.copies == 1
+        st = store.status()
+        assert [s.status for s in st.slots] == [SlotStatus.CLEAN, SlotStatus.CLEAN]
+        assert same_bits(load_checkpoint(root / "slot1"), lineage[0]) == []
+        store.stage(1, 1, payloads(lineage, 1, attempt=1))
+        store.commit(1)
+        # a lagging slot whose catch-up record is gone is rebuilt by copying too
+        (root / "log" / record_name(1, 1)).unlink()
+        store.stage(2, 0, payloads(lineage, 2))
+        assert store.copies == 2
+        store.commit(2)
+        assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+        assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def test_malformed_state_is_refused(tmp_path, initial) -> None:
+    root = tmp_path / "root"
+    with ReplicaStore(root) as store:
+        store.bootstrap(initial)
+    st = json.loads((root / STATE_FILE).read_text())
+    st["slots"][0]["version"] = 4  # the committed slot does not hold the committed version
+    (root / STATE_FILE).write_text(json.dumps(st))
+    with pytest.raises(ReplicaError, match="inconsistent state"):
+        ReplicaStore(root)
+    (root / STATE_FILE).write_text("{")
+    with pytest.raises(ReplicaError, match="not JSON"):
+        ReplicaStore(root)
+
+
+def test_bootstrap_refuses_what_it_cannot_hold(tmp_path, initial) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with (
+        ReplicaStore(tmp_path / "r1") as s,
+        pytest.raises(ReplicaError, match="no \\*.safetensors"),
+    ):
+        s.bootstrap(bad)
+    (bad / "model.safetensors").write_bytes(b"\xff" * 16)
+    with ReplicaStore(tmp_path / "r2") as s, pytest.raises(ReplicaError, match="header length"):
+        s.bootstrap(bad)
+    assert not (tmp_path / "r2" / "slot0").exists()
