@@ -95,7 +95,7 @@ CRASH_POINTS = (
     "apply_partial",  # part of the attempt's new bits written
     "slot_written",  # the shadow written and fsynced, STATE.json still dirty
     "staged_tmp", "staged",  # STATE.json: shadow staged
-    "commit_tmp", "committed",  # commit: STATE.json flipped (old records not yet removed)
+    "committed_tmp", "committed",  # commit: STATE.json flipped (old records not yet removed)
     "repair_partial",  # abort or recovery: part of the undo written
     "clean_tmp", "clean",  # STATE.json: shadow clean again
 )  # fmt: skip
@@ -512,7 +512,7 @@ class ReplicaStore:
             bootstrap=st.bootstrap,
             slots=st.slots,
         ).with_slot(st.shadow, SlotState(status=SlotStatus.CLEAN, version=version))
-        self._save(new, "commit")
+        self._save(new, "committed")
         if self._staged is not None and self._staged[:2] == (version, sh.attempt):
             self._digests = self._staged[2]
         else:
@@ -537,9 +537,13 @@ class ReplicaStore:
         if st is None:
             return None
         if st.slots[st.shadow].status == SlotStatus.DIRTY:
-            with self._writing(st.shadow, self.lease_timeout_s, "recover"):
+            # a lease on a dirty slot is refused as soon as its holder reads STATE.json: wait
+            # out such a reader even when stages do not wait
+            with self._writing(st.shadow, max(self.lease_timeout_s, 5.0), "recover"):
                 self._repair()
         self._prune()
+        for slot in (0, 1):
+            leases.holders(self.root, slot)  # sweeps the files of dead lease holders
         return self.status()
 
     def _prune(self) -> None:
@@ -604,9 +608,14 @@ class ReplicaStore:
         st = self._need()
         if version is None or version == st.committed:
             return combined_digest(self._committed_digests(st))
-        if self._staged is not None and self._staged[0] == version:
-            return combined_digest(self._staged[2])
-        raise ReplicaError(f"digest: version {version} is neither committed nor staged here")
+        sh = st.slots[st.shadow]
+        if sh.status != SlotStatus.STAGED or sh.target != version or sh.attempt is None:
+            raise ReplicaError(f"digest: version {version} is neither committed nor staged here")
+        if self._staged is None or self._staged[:2] != (version, sh.attempt):
+            layout = self._layout_of(st)  # staged before this store was opened: read the files
+            with SlotFiles(slot_dir(self.root, st.shadow), layout, write=False) as f:
+                self._staged = (version, sh.attempt, {n: f.digest(n) for n in sorted(layout)})
+        return combined_digest(self._staged[2])
 
 
 __all__ = ["CRASH_POINTS", "STATE_FILE", "ReplicaStatus", "ReplicaStore", "StageResult"]

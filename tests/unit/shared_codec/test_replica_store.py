@@ -373,3 +373,21 @@ def test_bootstrap_refuses_what_it_cannot_hold(tmp_path, initial) -> None:
     with ReplicaStore(tmp_path / "r2") as s, pytest.raises(ReplicaError, match="header length"):
         s.bootstrap(bad)
     assert not (tmp_path / "r2" / "slot0").exists()
+
+
+def test_a_staged_attempt_survives_a_restart(tmp_path, initial, lineage) -> None:
+    root = tmp_path / "root"
+    with ReplicaStore(root) as store:
+        store.bootstrap(initial)
+        staged = store.stage(1, 4, payloads(lineage, 1, attempt=4)).digest
+    with ReplicaStore(root) as store:
+        st = store.status()
+        assert (st.slots[1].status, st.slots[1].target, st.slots[1].attempt) == (
+            SlotStatus.STAGED, 1, 4,
+        )  # fmt: skip
+        assert store.digest(1) == staged == combined_digest(state_digests(lineage[1]))
+        with pytest.raises(ReplicaError, match="neither committed nor staged"):
+            store.digest(2)
+        store.commit(1)
+        assert store.digest() == staged
+        assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
