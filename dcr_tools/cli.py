@@ -13,6 +13,8 @@ Subcommands (each has ``--help``):
 - ``dcr soak [--refits N] [--transports relay,s3] [--kill-every K] [--sample-every S]
   [--warmup W] [--assert-flat]``: refits with engine kills, each checked bit for bit, and the
   growth of every DCR process's memory, descriptors, threads and disk (dcr_tools/soak.py).
+- ``dcr replica bootstrap ROOT CHECKPOINT [--version N]`` / ``dcr replica status ROOT
+  [--json]``: the rollout cluster's canonical replica store (dcr_tools/replica_cli.py).
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench affine [--json PATH]``: affine share of canonical weight bytes per verified family.
 - ``dcr bench construct [--json PATH] [--size medium|small|large] [--modes X,P,F]``: owner-side
@@ -337,6 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.build_parser(p)
     p.set_defaults(func=cmd_demo)
+
+    from dcr_tools import replica_cli  # light: the store is imported by its actions
+
+    p = sub.add_parser(
+        "replica",
+        help="the rollout cluster's canonical replica store: bootstrap, status",
+        description=replica_cli.__doc__.split("\n\n")[0] if replica_cli.__doc__ else None,
+    )
+    replica_cli.build_parser(p)
 
     from dcr_tools import soak  # light as well
 

@@ -21,6 +21,12 @@ Limitations:
 """
 
 from shared_codec.replica.leases import lease
-from shared_codec.replica.store import CRASH_POINTS, ReplicaStatus, ReplicaStore, StageResult
+from shared_codec.replica.store import (
+    CRASH_POINTS,
+    ReplicaStatus,
+    ReplicaStore,
+    StageResult,
+    read_status,
+)
 
-__all__ = ["CRASH_POINTS", "ReplicaStatus", "ReplicaStore", "StageResult", "lease"]
+__all__ = ["CRASH_POINTS", "ReplicaStatus", "ReplicaStore", "StageResult", "lease", "read_status"]

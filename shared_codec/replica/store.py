@@ -160,6 +160,26 @@ class ReplicaStatus:
         }  # fmt: skip
 
 
+def _status(root: Path, st: ReplicaState) -> ReplicaStatus:
+    return ReplicaStatus(
+        root=str(root),
+        committed=st.committed,
+        committed_slot=st.committed_slot,
+        committed_attempt=st.committed_attempt,
+        bootstrap_version=st.bootstrap.version,
+        bootstrap_source=st.bootstrap.source,
+        slots=st.slots,
+    )
+
+
+def read_status(root: str | os.PathLike[str]) -> ReplicaStatus | None:
+    """The status ``STATE.json`` records, read without the writer lock (so also while a replica
+    runs) and without recovering; None for a root never bootstrapped. A `dirty` slot here is
+    one a crash left, or one a running stage is writing."""
+    st = load_state(Path(root).resolve())
+    return None if st is None else _status(Path(root).resolve(), st)
+
+
 def checkpoint_identity(directory: Path) -> str:
     """A digest over the relative path and bytes of every file of a checkpoint directory."""
     h = hashlib.blake2b(digest_size=16)
@@ -242,16 +262,7 @@ class ReplicaStore:
         return self._layout
 
     def status(self) -> ReplicaStatus:
-        st = self._need()
-        return ReplicaStatus(
-            root=str(self.root),
-            committed=st.committed,
-            committed_slot=st.committed_slot,
-            committed_attempt=st.committed_attempt,
-            bootstrap_version=st.bootstrap.version,
-            bootstrap_source=st.bootstrap.source,
-            slots=st.slots,
-        )
+        return _status(self.root, self._need())
 
     # -- bootstrap ---------------------------------------------------------------------------
 
@@ -618,4 +629,11 @@ class ReplicaStore:
         return combined_digest(self._staged[2])
 
 
-__all__ = ["CRASH_POINTS", "STATE_FILE", "ReplicaStatus", "ReplicaStore", "StageResult"]
+__all__ = [
+    "CRASH_POINTS",
+    "STATE_FILE",
+    "ReplicaStatus",
+    "ReplicaStore",
+    "StageResult",
+    "read_status",
+]

@@ -42,6 +42,7 @@ from tests.unit.shared_codec.replica_cases import (
 )
 
 KINDS = ("xor", "overwrite", "mixed", "xor", "overwrite")
+SHARD = "model-00001-of-00002.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +392,22 @@ def test_a_staged_attempt_survives_a_restart(tmp_path, initial, lineage) -> None
         store.commit(1)
         assert store.digest() == staged
         assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def test_cli_bootstrap_and_status(tmp_path, initial, capsys) -> None:
+    from dcr_tools.cli import main
+
+    root = tmp_path / "root"
+    assert main(["replica", "status", str(root)]) == 1
+    assert "not bootstrapped" in capsys.readouterr().err
+    assert main(["replica", "bootstrap", str(root), str(initial), "--version", "3"]) == 0
+    capsys.readouterr()
+    with ReplicaStore(root):  # status reads STATE.json without the writer lock
+        assert main(["replica", "status", str(root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["committed"] == 3 and [s["status"] for s in out["slots"]] == ["clean", "clean"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes((initial / SHARD).read_bytes())
+    assert main(["replica", "bootstrap", str(root), str(other)]) == 1
+    assert "already holds a replica" in capsys.readouterr().err
