@@ -26,7 +26,7 @@ replayed.
 
 Limitations:
 1. The body is not compressed: 8 + 2 x item size bytes per changed element (a payload's
-   entries cost less); the log holds at most three records (module docstring of store.py).
+   entries cost less); the log holds at most three records (docs/replica.md, "Layout").
 """
 
 from __future__ import annotations
