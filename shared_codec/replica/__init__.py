@@ -8,6 +8,8 @@ Modules, one concept each:
 - `transition.py`: an attempt's payloads -> validated log record (changed indices, old and new
   bits per tensor);
 - `log.py`: the write-ahead log record format (checksummed, written before any slot write);
+- `bootstrap.py`: the initial copy into both slots;
+- `crash.py`: the named crash points (a test-only hook kills a writer there);
 - `state.py`: ``STATE.json`` (committed version and slot, what each slot holds), replaced
   atomically;
 - `layout.py`: where each tensor lies in the safetensors files; in-place reads and writes
@@ -20,13 +22,9 @@ Limitations:
    later (issue 31, items 1-2).
 """
 
+from shared_codec.replica.crash import CRASH_POINTS
 from shared_codec.replica.leases import lease
-from shared_codec.replica.store import (
-    CRASH_POINTS,
-    ReplicaStatus,
-    ReplicaStore,
-    StageResult,
-    read_status,
-)
+from shared_codec.replica.state import ReplicaStatus, read_status
+from shared_codec.replica.store import ReplicaStore, StageResult
 
 __all__ = ["CRASH_POINTS", "ReplicaStatus", "ReplicaStore", "StageResult", "lease", "read_status"]

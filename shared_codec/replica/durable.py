@@ -12,6 +12,7 @@ Limitations:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Callable
@@ -128,3 +129,16 @@ def remove_temporaries(root: Path) -> list[Path]:
     for parent in {p.parent for p in found}:
         fsync_dir(parent)
     return found
+
+
+def checkpoint_identity(directory: Path) -> str:
+    """A digest over the relative path and bytes of every file of a checkpoint directory (what
+    tells the initial checkpoint a root was bootstrapped from from another one)."""
+    h = hashlib.blake2b(digest_size=16)
+    for rel in files_of(directory):
+        h.update(f"{rel.as_posix()}\0".encode())
+        with open(directory / rel, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()

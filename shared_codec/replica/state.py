@@ -18,6 +18,7 @@ before it, or `staged` / `dirty` towards committed + 1.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
@@ -175,3 +176,43 @@ def save_state(
     state.check()
     data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
     durable.atomic_write(root / STATE_FILE, data, before_rename=before_rename)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaStatus:
+    """What a replica root holds, as reported (`ReplicaStore.status`, `read_status`, ``dcr
+    replica status``): committed version, slot and attempt, the bootstrap, each slot's state."""
+
+    root: str
+    committed: int
+    committed_slot: int
+    committed_attempt: int | None
+    bootstrap_version: int
+    bootstrap_source: str
+    slots: tuple[SlotState, SlotState]
+
+    @classmethod
+    def of(cls, root: Path, st: ReplicaState) -> ReplicaStatus:
+        return cls(
+            root=str(root),
+            committed=st.committed,
+            committed_slot=st.committed_slot,
+            committed_attempt=st.committed_attempt,
+            bootstrap_version=st.bootstrap.version,
+            bootstrap_source=st.bootstrap.source,
+            slots=st.slots,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["slots"] = [{**asdict(s), "touched": list(s.touched)} for s in self.slots]
+        return out
+
+
+def read_status(root: str | os.PathLike[str]) -> ReplicaStatus | None:
+    """The status ``STATE.json`` records, read without the writer lock (so also while a replica
+    runs) and without recovering; None for a root never bootstrapped. A `dirty` slot here is
+    one a crash left, or one a running stage is writing."""
+    path = Path(root).resolve()
+    st = load_state(path)
+    return None if st is None else ReplicaStatus.of(path, st)

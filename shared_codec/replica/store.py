@@ -52,12 +52,10 @@ Limitations:
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,12 +64,15 @@ from typing import Any
 from shared_codec.checkpoint import combined_digest
 from shared_codec.errors import ArgumentError, ProtocolError, ReplicaError
 from shared_codec.replica import durable, leases
+from shared_codec.replica.bootstrap import LOG_DIR, copy_initial
+from shared_codec.replica.crash import CRASH_POINTS
+from shared_codec.replica.crash import at as _at
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
 from shared_codec.replica.log import LogCorrupt, Record, parse_name, read_record, write_record
 from shared_codec.replica.state import (
     STATE_FILE,
-    Bootstrap,
     ReplicaState,
+    ReplicaStatus,
     SlotState,
     SlotStatus,
     load_state,
@@ -80,34 +81,7 @@ from shared_codec.replica.state import (
 )
 from shared_codec.replica.transition import build_record, decode_attempt
 
-LOG_DIR = "log"
 log = logging.getLogger("dcr.replica")
-
-#: where the test-only crash hook may fire, in the order a stage / commit / abort reaches them
-#: ("<x>_tmp": a STATE.json or record temporary is written and fsynced, not yet renamed)
-CRASH_POINTS = (
-    "bootstrap_slot0",  # bootstrap: slot0 copied, slot1 not, no STATE.json
-    "bootstrapped_tmp", "bootstrapped",  # bootstrap: STATE.json being written / written
-    "log_tmp", "log",  # stage: the record being written / durable
-    "dirty_tmp", "dirty",  # STATE.json: shadow marked dirty
-    "undo_partial",  # an overwrite retry: part of the previous attempt undone
-    "catchup_partial",  # a lagging shadow: part of the committed record replayed
-    "apply_partial",  # part of the attempt's new bits written
-    "slot_written",  # the shadow written and fsynced, STATE.json still dirty
-    "staged_tmp", "staged",  # STATE.json: shadow staged
-    "committed_tmp", "committed",  # commit: STATE.json flipped (old records not yet removed)
-    "repair_partial",  # abort or recovery: part of the undo written
-    "clean_tmp", "clean",  # STATE.json: shadow clean again
-)  # fmt: skip
-
-#: test-only: called with each crash point's name (tests install a hook that SIGKILLs the
-#: process there); never set by product code, not part of any signature
-_crash_hook: Callable[[str], None] | None = None
-
-
-def _at(point: str) -> None:
-    if _crash_hook is not None:
-        _crash_hook(point)
 
 
 def _nonneg(value: Any, what: str) -> int:
@@ -130,66 +104,6 @@ class StageResult:
     elements: int
     digest: str
     seconds: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaStatus:
-    """The store's state: committed version, slot and attempt, what each slot holds."""
-
-    root: str
-    committed: int
-    committed_slot: int
-    committed_attempt: int | None
-    bootstrap_version: int
-    bootstrap_source: str
-    slots: tuple[SlotState, SlotState]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "committed": self.committed,
-            "committed_slot": self.committed_slot,
-            "committed_attempt": self.committed_attempt,
-            "bootstrap_version": self.bootstrap_version,
-            "bootstrap_source": self.bootstrap_source,
-            "slots": [
-                {"status": s.status.value, "version": s.version, "target": s.target,
-                 "attempt": s.attempt, "touched": list(s.touched)}
-                for s in self.slots
-            ],
-        }  # fmt: skip
-
-
-def _status(root: Path, st: ReplicaState) -> ReplicaStatus:
-    return ReplicaStatus(
-        root=str(root),
-        committed=st.committed,
-        committed_slot=st.committed_slot,
-        committed_attempt=st.committed_attempt,
-        bootstrap_version=st.bootstrap.version,
-        bootstrap_source=st.bootstrap.source,
-        slots=st.slots,
-    )
-
-
-def read_status(root: str | os.PathLike[str]) -> ReplicaStatus | None:
-    """The status ``STATE.json`` records, read without the writer lock (so also while a replica
-    runs) and without recovering; None for a root never bootstrapped. A `dirty` slot here is
-    one a crash left, or one a running stage is writing."""
-    st = load_state(Path(root).resolve())
-    return None if st is None else _status(Path(root).resolve(), st)
-
-
-def checkpoint_identity(directory: Path) -> str:
-    """A digest over the relative path and bytes of every file of a checkpoint directory."""
-    h = hashlib.blake2b(digest_size=16)
-    for rel in durable.files_of(directory):
-        h.update(f"{rel.as_posix()}\0".encode())
-        with open(directory / rel, "rb") as f:
-            while chunk := f.read(16 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 class ReplicaStore:
@@ -262,7 +176,7 @@ class ReplicaStore:
         return self._layout
 
     def status(self) -> ReplicaStatus:
-        return _status(self.root, self._need())
+        return ReplicaStatus.of(self.root, self._need())
 
     # -- bootstrap ---------------------------------------------------------------------------
 
@@ -278,7 +192,7 @@ class ReplicaStore:
         if not src.is_dir():
             raise ReplicaError(f"bootstrap: {src} is not a checkpoint directory")
         layout = read_layout(src)  # refuses what the store cannot hold in place
-        identity = checkpoint_identity(src)
+        identity = durable.checkpoint_identity(src)
         st = self._state
         if st is not None:
             if st.bootstrap.identity == identity and st.bootstrap.version == version:
@@ -289,31 +203,7 @@ class ReplicaStore:
                 f"{st.bootstrap.identity}), not {src} at version {version} (identity {identity});"
                 " use another root"
             )
-        ours = {"slot0", "slot1", LOG_DIR, leases.LEASE_DIR}
-        other = sorted(
-            p.name
-            for p in self.root.iterdir()
-            if p.name not in ours and not p.name.startswith(durable.TMP_PREFIX)
-        )
-        if other:
-            raise ReplicaError(f"bootstrap: {self.root} is not empty (holds {other}); refused")
-        for name in ("slot0", "slot1", LOG_DIR):  # debris of a bootstrap that crashed
-            if (self.root / name).exists():
-                shutil.rmtree(self.root / name)
-        durable.remove_temporaries(self.root)
-        durable.copy_tree(src, slot_dir(self.root, 0))
-        _at("bootstrap_slot0")
-        durable.copy_tree(src, slot_dir(self.root, 1))
-        self.log_dir.mkdir()
-        durable.fsync_dir(self.root)
-        clean = SlotState(status=SlotStatus.CLEAN, version=version)
-        state = ReplicaState(
-            committed=version,
-            committed_slot=0,
-            committed_attempt=None,
-            bootstrap=Bootstrap(version=version, source=str(src), identity=identity),
-            slots=(clean, clean),
-        )
+        state = copy_initial(self.root, src, version, identity)
         self._layout = layout
         self._save(state, "bootstrapped")
         return self.status()
@@ -629,11 +519,4 @@ class ReplicaStore:
         return combined_digest(self._staged[2])
 
 
-__all__ = [
-    "CRASH_POINTS",
-    "STATE_FILE",
-    "ReplicaStatus",
-    "ReplicaStore",
-    "StageResult",
-    "read_status",
-]
+__all__ = ["CRASH_POINTS", "STATE_FILE", "ReplicaStatus", "ReplicaStore", "StageResult"]

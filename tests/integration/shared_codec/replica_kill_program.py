@@ -15,8 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shared_codec.replica import ReplicaStore
-from shared_codec.replica import store as store_module
+from shared_codec.replica import ReplicaStore, crash
 
 ENV = "DCR_REPLICA_KILL_AT"
 
@@ -52,7 +51,7 @@ def arm(spec: str) -> None:
             if seen == want:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    store_module._crash_hook = hook
+    crash._hook = hook
 
 
 def run(root: Path, cases: Path) -> None:

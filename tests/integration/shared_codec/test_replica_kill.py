@@ -30,8 +30,7 @@ import torch
 
 from dcr_tools.procs import PYTHON, REPO, base_env
 from shared_codec.checkpoint import combined_digest, load_checkpoint, state_digests
-from shared_codec.replica import CRASH_POINTS, ReplicaStore
-from shared_codec.replica import store as store_module
+from shared_codec.replica import CRASH_POINTS, ReplicaStore, crash
 from shared_codec.replica.durable import TMP_PREFIX
 from shared_codec.replica.log import parse_name
 from shared_codec.replica.state import SlotStatus
@@ -191,7 +190,7 @@ def test_script_reaches_every_point(cases, tmp_path) -> None:
 
     def child() -> None:
         points: list[str] = []
-        store_module._crash_hook = points.append
+        crash._hook = points.append
         program.run(root, cases.dir)
         seen.write_text("\n".join(points))
 
