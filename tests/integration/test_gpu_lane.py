@@ -5,8 +5,9 @@ runs in the default suite; the "cuda" case is marked ``gpu`` and skipped with it
 machine without CUDA (``make test-gpu`` runs only the cuda cases; ``scripts/gpu_lane.sh`` on a
 device machine). The oracles are bitwise and computed on the host, independently of the device:
 
-1. change detection (megatron_dcr_hooks/hook.py): trackers stay host copies, each build copies
-   an owned shard to the host and runs the compiled scan there. The real `DCRHook` on the FAKE
+1. change detection (megatron_dcr_hooks/detection.py): trackers stay host copies; host
+   parameters are scanned in place by the compiled scan, device parameters on the device
+   against the tracker streamed in chunks (`DeviceScan`). The real `DCRHook` on the FAKE
    one-rank model of tests/unit/megatron/test_hook_units.py (plus an FP32 parameter), its
    parameters on the device, must emit exactly the changed indices and bits numpy finds;
 2. the direct scatter (vllm_dcr_plugin/apply.py `scatter_direct`): the compiled numpy scatter
