@@ -19,8 +19,10 @@ tensors (counts, flags, names, JSON requests), so the rule is:
 So DCR runs unchanged on a world initialized with ``nccl``, with ``cpu:gloo,cuda:nccl`` and with
 ``gloo`` (docs/operations.md, "Process groups and backends").
 
-Limitation: `host_group_for` creates the gloo group with ``use_local_synchronization=True``:
-only the ranks of the given world call it, in the same order as their other group creations.
+Limitation: `host_group_for` creates the gloo group with ``torch.distributed.new_group``, which
+every rank of the default group must enter, in the same order as its other group creations
+(the hooks of a job are constructed on every rank). A job whose DCR world is a sub-world of an
+NCCL default group passes ``ParallelGroups(host=...)`` a gloo group it made itself.
 """
 
 from __future__ import annotations
@@ -85,8 +87,11 @@ def host_group_for(world: RankGroup) -> RankGroup:
     if world.size == 1:
         group: Any = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(minutes=30))
     else:
+        # every rank of the job calls (the hook is constructed on every rank); not
+        # ``use_local_synchronization``: its group name hashes the number of groups each rank
+        # belongs to, which megatron's TP/PP/EP groups make differ, so the ranks never meet
         ranks = dist.get_process_group_ranks(world.group)
-        group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        group = dist.new_group(ranks=ranks, backend="gloo")
     return RankGroup(group=group, rank=world.rank, size=world.size)
 
 
