@@ -48,6 +48,7 @@ from pathlib import Path
 
 #: (python "3.12" / "3.11" / "any", import module, requirement, source) -- module docstring
 PACKAGES: tuple[tuple[str, str, str, str], ...] = (
+    ("any", "torch", "torch", "image"),
     ("any", "numpy", "numpy", "image"),
     ("any", "numba", "numba", "image"),
     ("any", "llvmlite", "llvmlite", "image"),
