@@ -21,13 +21,14 @@
 #
 # Before a device run, here (with network): `make gpu-wheelhouse` (out/gpu_wheelhouse, about
 # 40 MiB for Python 3.12 and 3.11), then run `bash scripts/gpu_lane.sh` there with
-# out/gpu_wheelhouse carried (docs/benchmarks.md has the exact call).
+# out/gpu_wheelhouse carried (docs/benchmarks.md, "Running it").
 #
 # Environment: DCR_PYTHON (default .venv/bin/python, else python3), OUT (default out/gpu_lane),
 # DCR_WHEELHOUSE (default out/gpu_wheelhouse), DCR_GPU_SITE (the install folder, default
 # /tmp/dcr-gpu-lane-site-<python>), DCR_LANE_BUDGET_S, DCR_REQUIRE_CUDA.
 # Writes to $OUT (six files): summary.json, lane.log, owner.json, pytest.txt, device.json,
-# codec.json. Exit status: 0 when every step passed (or was skipped for want of CUDA), else 1.
+# codec.json. Exit status: 0 when every step passed and every program's checks held (without
+# CUDA: in the CPU modes, unless DCR_REQUIRE_CUDA=1), else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${DCR_PYTHON:-.venv/bin/python}"
@@ -73,11 +74,6 @@ step() {
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
   log "== $name: $status (exit $rc, $secs s)"
   echo "$name $status $rc $secs" >>"$SCRATCH/steps"
-}
-
-skip() {
-  log "== $1: SKIPPED ($2)"
-  echo "$1 skipped 0 0" >>"$SCRATCH/steps"
 }
 
 log "python: $PY ($("$PY" --version 2>&1)); budget ${BUDGET} s; results in $OUT"
