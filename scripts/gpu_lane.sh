@@ -30,7 +30,7 @@
 # codec.json. Exit status: 0 when every step passed and every program's checks held (without
 # CUDA: in the CPU modes, unless DCR_REQUIRE_CUDA=1), else 1.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PY="${DCR_PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 OUT="${OUT:-out/gpu_lane}"
