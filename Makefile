@@ -26,7 +26,7 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-browser test test-unit test-slow test-gpu test-trainer test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-browser test test-unit test-slow test-gpu gpu-wheelhouse test-trainer test-trainer311 lint demo clean
 
 setup: $(STAMP) setup-trainer setup-browser
 
@@ -146,11 +146,24 @@ test-slow: setup
 	$(VPY) -m pytest -m slow $(PYTEST_ARGS)
 
 # The GPU lane: only the tests marked gpu (the cuda cases of tests/integration/test_gpu_lane.py). Without
-# CUDA it says so and pytest lists each as skipped with the reason; on a device machine without
-# this environment, scripts/gpu_lane.sh runs the same tests plus a short timing.
+# CUDA it says so and pytest lists each as skipped with the reason. On a lent device machine
+# (PyTorch with CUDA, no network, none of this environment), scripts/gpu_lane.sh runs the whole
+# lane unattended in under 10 minutes: the owner side on CUDA with NCCL, these tests, detection
+# against the device's bandwidth, the codec (docs/benchmarks.md, "GPU lane"); it installs what the
+# machine lacks from the wheelhouse `make gpu-wheelhouse` builds.
 test-gpu: setup
 	@$(VPY) -c "import torch; ok = torch.cuda.is_available(); print('[test-gpu] CUDA device:', torch.cuda.get_device_name(0) if ok else 'none (torch.cuda.is_available() is False, torch ' + torch.__version__ + '): every gpu test below is SKIPPED, nothing ran on a GPU')"
 	$(VPY) -m pytest -m gpu -ra $(PYTEST_ARGS)
+
+# The GPU lane's wheelhouse: the wheels scripts/gpu_wheels.py lists (megatron-core, megatron-bridge,
+# zstandard, transformers and what they import, pytest), binary only, no dependency resolution,
+# manylinux x86_64, for each Python of GPU_PYTHONS, into out/gpu_wheelhouse (about 39 MiB for
+# both; it prints what a device run then carries, at most 64 MiB with the working tree). Carry
+# that folder with `bash scripts/gpu_lane.sh` on a lent device machine. Needs network, not `setup`.
+GPU_PYTHONS ?= 3.12 3.11
+gpu-wheelhouse:
+	@py=$(VPY); [ -x "$$py" ] || py="$$(command -v python3)"; \
+	"$$py" scripts/gpu_wheels.py download --python $(GPU_PYTHONS) --dest out/gpu_wheelhouse
 
 # The Python 3.11 lane: the owner tests (every test that starts trainer ranks) with the ranks on
 # the rollout environment's megatron-core 0.16.1 / megatron-bridge 0.3.1 instead of .venv-trainer.

@@ -59,6 +59,8 @@ class DCRConfig:
     commit and retry that the shards still hold what the build recorded (`guard`); it costs
     one detection scan per verify (a whole-shard hash per build in mode F), so a trainer that
     provably never steps between build and commit may turn it off.
+    `detect_chunk_bytes`: bytes of the host baseline streamed to the device per chunk when
+    parameters live on a GPU (detection.py `DeviceScan`: two pinned host buffers of this size).
     """
 
     architecture: str = "Qwen3ForCausalLM"
@@ -75,6 +77,7 @@ class DCRConfig:
     sink: Sink | None = None
     candidate_guard: bool = True
     hf_config: Mapping[str, Any] | None = None
+    detect_chunk_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         try:

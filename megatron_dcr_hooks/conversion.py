@@ -186,18 +186,16 @@ def global_layer_name(root: torch.nn.Module, local_name: str) -> str:
 
 
 def _gather_names(names: list[str], group: Any, size: int) -> list[list[str]]:
-    """All-gather one list of names per rank of `group` (UTF-8 in uint8 tensors, no pickle)."""
-    import torch.distributed as dist
+    """All-gather one list of names per rank of `group` (UTF-8 in uint8 tensors, no pickle; on
+    the group's device: collectives.py)."""
+    from megatron_dcr_hooks.collectives import all_gather
 
     data = torch.frombuffer(bytearray("\n".join(names).encode() or b"\0"), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, n, group=group)
+    lengths = all_gather(torch.tensor([data.numel()], dtype=torch.int64), group, size)
     width = int(max(int(x) for x in lengths))
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: data.numel()] = data
-    parts = [torch.zeros(width, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(parts, padded, group=group)
+    parts = all_gather(padded, group, size)
     out = []
     for part, length in zip(parts, lengths, strict=True):
         raw = bytes(part[: int(length)].tolist())

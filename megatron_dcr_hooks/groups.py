@@ -11,6 +11,12 @@ one (``groups=``); the default, `ParallelGroups.from_megatron()`, reads megatron
 ``parallel_state`` getters or uses the default process group implicitly, so a job that runs
 DCR on groups of its own (a sub-world, a separate gloo group for CPU reductions) passes them in.
 
+Backends: `host` is the group DCR's own CPU reductions over the job run on (counts, flags, the
+owner service's requests). It is the world group when that takes CPU tensors (gloo, or
+``cpu:gloo,cuda:nccl``); on an NCCL world the hook's constructor creates a gloo group over the
+same ranks (`collectives.with_host`), or uses the one passed as ``host=``. collectives.py has
+the rule for every other collective DCR issues.
+
 Limitations:
 1. megatron-bridge's mapping classes run their own TP/EP gathers on megatron-core's
    ``parallel_state`` groups (inside ``megatron_to_hf``); the TP and EP groups given here must
@@ -23,8 +29,11 @@ Limitations:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,13 +53,32 @@ class RankGroup:
             raise ValueError(f"RankGroup rank {self.rank} outside a group of size {self.size}")
 
 
+def takes_host_tensors(group: Any) -> bool:
+    """True when collectives on `group` accept CPU tensors.
+
+    ``None`` (an in-process one-rank group that never reduces) and a bare gloo backend do; a
+    ``ProcessGroup`` does when a backend is registered for the CPU device type (gloo, MPI, a
+    ``cpu:gloo,...`` backend string); an NCCL group does not."""
+    import torch.distributed as dist
+
+    if group is None or isinstance(group, dist.ProcessGroupGloo):
+        return True
+    devices = getattr(group, "_device_types", None)  # ProcessGroup: its backends' device types
+    if devices is not None:
+        return torch.device("cpu") in devices
+    backend = str(dist.get_backend(group))
+    return "gloo" in backend or "mpi" in backend
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelGroups:
     """The trainer job's process groups as the owner hook needs them (module docstring).
 
     `world`: every rank of the job (reductions, owner ids = ``world.rank``); `tp`: tensor
     parallel; `dp`: data parallel x context parallel (holders of identical non-expert shards); `ep`: expert model parallel;
-    `expert_dp`: expert data parallel (holders of identical expert shards); `pp`: pipeline.
+    `expert_dp`: expert data parallel (holders of identical expert shards); `pp`: pipeline;
+    `host`: the world's ranks on a backend that takes CPU tensors (module docstring): defaults
+    to `world` when its backend does, else stays ``None`` until `collectives.with_host`.
     """
 
     world: RankGroup
@@ -59,6 +87,34 @@ class ParallelGroups:
     ep: RankGroup
     expert_dp: RankGroup
     pp: RankGroup
+    host: RankGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.host is None and takes_host_tensors(self.world.group):
+            object.__setattr__(self, "host", self.world)
+        if self.host is not None and (
+            self.host.rank != self.world.rank or self.host.size != self.world.size
+        ):
+            raise ValueError(
+                f"ParallelGroups host group (rank {self.host.rank} of {self.host.size}) does "
+                f"not span the world (rank {self.world.rank} of {self.world.size})"
+            )
+
+    @property
+    def cpu_world(self) -> RankGroup:
+        """The group DCR's CPU reductions over the job run on (`host`, resolved)."""
+        if self.host is None:
+            raise ValueError(
+                "the world group takes no CPU tensors (NCCL) and no host group is set: "
+                "build the hook (it creates one) or pass ParallelGroups(host=<gloo group>)"
+            )
+        return self.host
+
+    def replace(self, **changes: Any) -> ParallelGroups:
+        """A copy with `changes` (a new `world` resets `host` unless it is given too)."""
+        if "world" in changes and "host" not in changes:
+            changes["host"] = None
+        return dataclasses.replace(self, **changes)
 
     @staticmethod
     def from_megatron() -> ParallelGroups:
@@ -111,4 +167,4 @@ class ParallelGroups:
         return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
 
 
-__all__ = ["ParallelGroups", "RankGroup"]
+__all__ = ["ParallelGroups", "RankGroup", "takes_host_tensors"]

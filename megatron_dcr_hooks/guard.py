@@ -21,7 +21,8 @@ Outcomes of ``verify(ledger, version, scan=)``, in this order:
    ledger moves to STALE; otherwise nothing changes.
 
 Limitations:
-1. A scan costs one detection pass over the owned shards (a device -> host copy each).
+1. A scan costs one detection pass over the owned shards (detection.py: in place on the host,
+   or against the baseline streamed to the device).
 2. The fingerprint of mode F detects accidental change, not an attacker (SHA-1).
 """
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from megatron_dcr_hooks.candidate import Candidate, OwnerLedger
-from megatron_dcr_hooks.detection import shard_state
+from megatron_dcr_hooks.detection import DeviceScan, shard_state
 from megatron_dcr_hooks.tasks import Task
 from shared_codec.errors import CandidateChanged, ProtocolError
 
@@ -49,8 +50,10 @@ class CandidateGuard:
         *,
         enabled: bool,
         rank: int,
+        device_scan: DeviceScan | None = None,
     ) -> None:
         self.owned = owned
+        self.device_scan = device_scan  # the hook's streamed scan, for shards on a device
         self.trackers = trackers
         self.enabled = enabled
         self.rank = rank
@@ -59,7 +62,9 @@ class CandidateGuard:
 
     def unmoved(self, t: Task, candidate: Candidate) -> bool:
         """Does owned shard `t` still hold what `candidate` recorded for it?"""
-        state, change = shard_state(t.param, self.trackers.get(t.index), guard=self.enabled)
+        state, change = shard_state(
+            t.param, self.trackers.get(t.index), guard=self.enabled, scan=self.device_scan
+        )
         if change is None:
             return state == candidate.checks[t.index]
         built = candidate.delta.get(t.index)

@@ -31,7 +31,9 @@ P = projection + overwrites, F = full conversion of every tensor through the bri
 Process groups: the hook takes a `ParallelGroups` (``groups=``; default
 `ParallelGroups.from_megatron()`, read once in the constructor). Ownership, the residual owner,
 the payload owner id and every reduction use it; nothing below the constructor asks
-megatron-core's ``parallel_state`` or the default process group.
+megatron-core's ``parallel_state`` or the default process group. Its CPU reductions run on
+``groups.host`` (the world on gloo or ``cpu:gloo,cuda:nccl``; on an NCCL world a gloo group the
+constructor creates over the same ranks: collectives.py), so a default NCCL job runs it unchanged.
 
 Parallel layouts: TP, DP (with or without the distributed optimizer), EP/ETP, SP, and PP with
 any number of model chunks per rank (virtual stages); CP ranks count as data-parallel replicas
@@ -41,9 +43,9 @@ docs/parallel-layouts.md). Each rank owns shards of its own pipeline stage only
 owns), so owned elements add up to the canonical element count.
 
 Limitations:
-1. Detection copies every owned shard to host memory per build and per guard scan
-   (detection.py, limitation 1); `commit` reads no shard: it scatters the build's recorded
-   change into the trackers.
+1. Detection reads every owned shard per build and per guard scan: in place on the host, or
+   on the GPU against the host baseline streamed in chunks (detection.py, limitation 1);
+   `commit` reads no shard: it scatters the build's recorded change into the trackers.
 2. Parameters lazily gathered by the next forward (``overlap_param_gather``) are synced
    before every build, on DDP-wrapped chunks only (detection.py, limitation 2).
 """
@@ -59,11 +61,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_dcr_hooks.candidate import Candidate, OwnerLedger, OwnerState
+from megatron_dcr_hooks.collectives import all_reduce, with_host
 from megatron_dcr_hooks.config import ConstructionMode, DCRConfig
 from megatron_dcr_hooks.detection import (
+    DeviceScan,
     advance_trackers,
     changed_bits,
     host_trackers,
@@ -132,7 +135,9 @@ class DCRHook:
     ) -> None:
         if not model_chunks:
             raise ValueError("DCRHook needs this rank's model chunks (at least one)")
-        self.groups = groups if groups is not None else ParallelGroups.from_megatron()
+        # DCR's CPU reductions run on a group that takes CPU tensors: the world itself, or a
+        # gloo group over its ranks created here on an NCCL world (collectives.py)
+        self.groups = with_host(groups if groups is not None else ParallelGroups.from_megatron())
         self.chunks = list(model_chunks)
         self.model = self.chunks[0]
         self.config = config
@@ -159,9 +164,15 @@ class DCRHook:
         # trackers: committed stored bits of owned shards (affine tasks are projected from
         # them; owned residual tasks only use them for the changed flag)
         self.trackers: dict[int, torch.Tensor] = {} if full else host_trackers(self.owned)
+        # parameters on a device are compared there, the baseline streamed in chunks
+        self.scan = DeviceScan(config.detect_chunk_bytes)
         self.ledger = OwnerLedger()
         self.guard = CandidateGuard(
-            self.owned, self.trackers, enabled=config.candidate_guard, rank=self.rank
+            self.owned,
+            self.trackers,
+            enabled=config.candidate_guard,
+            rank=self.rank,
+            device_scan=self.scan,
         )
         self.step_thread: int | None = None  # the thread of the last optimizer step seen
         self.last_report: BuildReport | None = None
@@ -270,7 +281,7 @@ class DCRHook:
         rep.items, rep.entries, rep.xor_entries = stream.items, stream.entries, stream.xor_entries
         rep.payloads, rep.payload_bytes = stream.payload_count, stream.stored_bytes
         counts = torch.tensor([rep.changed_elements, rep.owned_elements], dtype=torch.float64)
-        dist.all_reduce(counts, group=self.groups.world.group)
+        counts = all_reduce(counts, self.groups.cpu_world.group)
         rep.element_change_rate = float(counts[0] / counts[1]) if counts[1] else 0.0
         rep.seconds = time.perf_counter() - t0
         self.ledger.built(
@@ -312,7 +323,7 @@ class DCRHook:
         for t in self.scan_order:
             rep.owned_elements += t.param.numel()  # scanned so far (residual tasks after)
             td = time.perf_counter()
-            local, new, base = changed_bits(t.param, self.trackers[t.index])
+            local, new, base = changed_bits(t.param, self.trackers[t.index], self.scan)
             rep.detect_seconds += time.perf_counter() - td
             if self.guard.enabled:
                 checks[t.index] = b""  # checked against `delta`
@@ -358,7 +369,7 @@ class DCRHook:
             if t.index in self.owned_idx:
                 rep.owned_elements += t.param.numel()
                 record, changed = shard_state(
-                    t.param, self.trackers.get(t.index), guard=self.guard.enabled
+                    t.param, self.trackers.get(t.index), guard=self.guard.enabled, scan=self.scan
                 )
                 if self.guard.enabled:
                     checks[t.index] = record

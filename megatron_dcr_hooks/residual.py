@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dcr_hooks.collectives import all_reduce
 from megatron_dcr_hooks.conversion import GroupedExports, megatron_to_hf, num_experts_of
 from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.ownership import residual_owner
@@ -48,7 +49,7 @@ class ResidualBaseline:
     def __init__(self, tasks: list[Task], chunks: list[Any], groups: ParallelGroups) -> None:
         self.tasks = tasks
         self._chunks = chunks
-        self._world = groups.world
+        self._world = groups.cpu_world  # same ranks as the world, takes CPU tensors
         self.tensors: dict[str, torch.Tensor] = self.convert(tasks)
 
     def convert(self, tasks: list[Task]) -> dict[str, torch.Tensor]:
@@ -70,7 +71,7 @@ class ResidualBaseline:
         """The tasks to convert: flagged on any rank (`flags`, int32, one per task, all-reduced
         here with MAX; collective), plus every task of a grouped export a flagged task writes
         (such an export converts all its experts)."""
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._world.group)
+        flags = all_reduce(flags, self._world.group, op=dist.ReduceOp.MAX)
         hit = {n for i, t in enumerate(self.tasks) if flags[i] for n in t.hf_shapes}
         return [
             t

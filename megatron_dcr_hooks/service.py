@@ -53,8 +53,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_dcr_hooks.collectives import all_gather, all_reduce, broadcast
 from megatron_dcr_hooks.groups import RankGroup
 from megatron_dcr_hooks.hook import DCRHook
 from shared_codec.coordination.protocol import (
@@ -85,10 +85,10 @@ def _broadcast_json(obj: Any, world: RankGroup) -> Any:
         n = torch.tensor([data.numel()], dtype=torch.int64)
     else:
         n = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(n, group=g, group_src=0)
+    n = broadcast(n, g)
     if world.rank != 0:
         data = torch.empty(int(n[0]), dtype=torch.uint8)
-    dist.broadcast(data, group=g, group_src=0)
+    data = broadcast(data, g)
     return json.loads(bytes(data.numpy()).decode())
 
 
@@ -96,14 +96,11 @@ def _gather_json(obj: Any, world: RankGroup) -> list[Any]:
     """Every rank's JSON-able `obj`, in rank order, on every rank of `world` (no pickle)."""
     g = world.group
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    n = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world.size)]
-    dist.all_gather(sizes, n, group=g)
+    sizes = all_gather(torch.tensor([data.numel()], dtype=torch.int64), g, world.size)
     width = int(max(int(x[0]) for x in sizes))
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: data.numel()] = data
-    out = [torch.zeros(width, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(out, padded, group=g)
+    out = all_gather(padded, g, world.size)
     return [json.loads(bytes(t[: int(k[0])].numpy()).decode()) for t, k in zip(out, sizes)]
 
 
@@ -164,7 +161,7 @@ class OwnerService:
                     "error": error,
                     "seconds": rep.seconds if rep else 0.0,
                 },
-                self.groups.world,
+                self.groups.cpu_world,
             )
             errors = [f"rank {i}: {r['error']}" for i, r in enumerate(per_rank) if r["error"]]
             seal_error = ""
@@ -179,7 +176,7 @@ class OwnerService:
                     )
                 except Exception as e:
                     seal_error = f"{type(e).__name__}: {e}"
-            seal_error = _broadcast_json(seal_error, self.groups.world)
+            seal_error = _broadcast_json(seal_error, self.groups.cpu_world)
         if any(r["error"].startswith("CandidateChanged") for r in per_rank):
             raise CandidateChanged("; ".join(errors))
         if errors or seal_error:
@@ -226,7 +223,7 @@ class OwnerService:
             self.hook.verify_candidate(version, scan=not held)
         except CandidateChanged as e:
             error = str(e)
-        errors = [e for e in _gather_json(error, self.groups.world) if e]
+        errors = [e for e in _gather_json(error, self.groups.cpu_world) if e]
         if errors:
             raise CandidateChanged("; ".join(errors))
         if not self.hook.config.candidate_guard:
@@ -279,7 +276,7 @@ class OwnerService:
             )
             traceback.print_exc()
         flag = torch.tensor([0 if reply.ok else 1], dtype=torch.int64)
-        dist.all_reduce(flag, group=self.groups.world.group)  # an error on any rank fails it
+        flag = all_reduce(flag, self.groups.cpu_world.group)  # an error on any rank fails it
         if reply.ok and int(flag[0]):
             reply = OwnerReply(ok=False, error=f"{op} failed on {int(flag[0])} other rank(s)")
             self._after_reply = None
@@ -343,7 +340,7 @@ class OwnerService:
                         )
                         sock.send(json.dumps(bad.to_wire()).encode())
                         req = {"op": "_skip"}
-                req = _broadcast_json(req, self.groups.world)
+                req = _broadcast_json(req, self.groups.cpu_world)
                 if req.get("op") == "_skip":
                     continue
                 if req.get("op") == OwnerOp.STOP:

@@ -182,7 +182,11 @@ def classify_tasks(
         p = pt.param
         ids = None
         if p is not None:
-            ids = (torch.arange(p.numel(), dtype=torch.int64) + tag).reshape(p.shape)
+            # on the parameter's device: the bridge's TP/EP gathers run on megatron's groups
+            # (NCCL in a GPU job) with the tensor it is given
+            ids = (torch.arange(p.numel(), dtype=torch.int64, device=p.device) + tag).reshape(
+                p.shape
+            )
         with torch.no_grad():
             out = _probe(pt, ids)
             out2 = _probe(pt, ids * 2 if ids is not None else None)
@@ -218,8 +222,8 @@ def classify_tasks(
                 foreign = foreign or mine.numel() < flat.numel()
                 if expert is not None:
                     offset = expert * flat.numel()
-                local_l.append((flat[mine] - tag).numpy())
-                hf_l.append(mine.numpy().astype(np.int64) + offset)
+                local_l.append((flat[mine] - tag).cpu().numpy())  # the map lives on the host
+                hf_l.append(mine.cpu().numpy().astype(np.int64) + offset)
                 name_l.append(np.full(mine.numel(), j, dtype=np.int32))
         amap = None
         if affine and p is not None:
@@ -274,8 +278,10 @@ def _agree_kinds(tasks: list[Task], groups: ParallelGroups) -> None:
         return
     import torch.distributed as dist
 
+    from megatron_dcr_hooks.collectives import all_reduce
+
     flags = torch.tensor([t.kind is TaskKind.RESIDUAL for t in tasks], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=groups.world.group)
+    flags = all_reduce(flags, groups.cpu_world.group, op=dist.ReduceOp.MAX)
     for t, flag in zip(tasks, flags.tolist(), strict=True):
         if flag and t.kind is TaskKind.AFFINE:
             t.kind, t.amap = TaskKind.RESIDUAL, None

@@ -110,7 +110,10 @@ class Trainer:
         self.overlap_param_gather = overlap_param_gather
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
-        self.pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+        # batches are drawn on the host (the same tokens on any device), then moved to where the
+        # parameters live: the CPU here, a GPU in the GPU lane (dcr_tools/bench/gpu_owner.py)
+        self.device = next(chunks[0].parameters()).device
+        self.pos = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ).to(self.device)
 
     def step(self, i: int) -> tuple[float, float]:
         """One step on a deterministic random batch (different per DP rank): (loss, grad norm)."""
@@ -128,7 +131,7 @@ class Trainer:
         from megatron.core.distributed import finalize_model_grads
 
         g = torch.Generator().manual_seed(100 + i * 10 + self.dp_rank)
-        batch = torch.randint(0, self.cfg["vocab_size"], (2, SEQ + 1), generator=g)
+        batch = torch.randint(0, self.cfg["vocab_size"], (2, SEQ + 1), generator=g).to(self.device)
         for c in self.chunks:
             c.zero_grad_buffer()
         self.opt.zero_grad()
@@ -208,6 +211,7 @@ class Trainer:
             weight[i, start : len(seq) - 1] = float(s["advantage"])
         n_tokens = max(1, sum(len(s["completion"]) for s in samples))
         pos = torch.arange(width - 1).unsqueeze(0).expand(len(seqs), width - 1)
+        tokens, weight, pos = (t.to(self.device) for t in (tokens, weight, pos))
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         nll = self.ddp(tokens[:, :-1], pos, attention_mask=None, labels=tokens[:, 1:])

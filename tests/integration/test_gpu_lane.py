@@ -5,10 +5,12 @@ runs in the default suite; the "cuda" case is marked ``gpu`` and skipped with it
 machine without CUDA (``make test-gpu`` runs only the cuda cases; ``scripts/gpu_lane.sh`` on a
 device machine). The oracles are bitwise and computed on the host, independently of the device:
 
-1. change detection (megatron_dcr_hooks/hook.py): trackers stay host copies, each build copies
-   an owned shard to the host and runs the compiled scan there. The real `DCRHook` on the FAKE
+1. change detection (megatron_dcr_hooks/detection.py): trackers stay host copies; host
+   parameters are scanned in place by the compiled scan, device parameters on the device
+   against the tracker streamed in chunks (`DeviceScan`). The real `DCRHook` on the FAKE
    one-rank model of tests/unit/megatron/test_hook_units.py (plus an FP32 parameter), its
-   parameters on the device, must emit exactly the changed indices and bits numpy finds;
+   parameters on the device, must emit exactly the changed indices and bits numpy finds; and
+   `DeviceScan` on the device must give exactly what the compiled scan of a host copy gives;
 2. the direct scatter (vllm_dcr_plugin/apply.py `scatter_direct`): the compiled numpy scatter
    on CPU, torch index ops on any other device, into strided destination views at offsets;
 3. the intercept path (intercept.py, capability.py, placement.py, apply.py) through the real
@@ -25,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_dcr_hooks.detection import DeviceScan, changed_bits
 from megatron_dcr_hooks.hook import DCRHook
 from shared_codec.buckets import encode_items
 from shared_codec.errors import CandidateChanged
@@ -151,6 +154,28 @@ GEOMETRIES: dict[str, tuple[View, View]] = {
     "transposed_source": (lambda w: w.t(), lambda p: p[0:5, 6:10]),
     "transposed_destination": (lambda w: w, lambda p: p.t()[2:6, 1:6]),
 }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_streamed_detection_on_device_equals_the_host_scan(device: str, dtype: torch.dtype) -> None:
+    """Both detection paths on the same shard: `DeviceScan` on `device` (the tracker streamed in
+    small chunks, so many chunk boundaries) and the compiled scan of a host copy give the same
+    indices, bits and baseline bits."""
+    g = torch.Generator().manual_seed(3)
+    n = 100_003
+    base = torch.randn(n, generator=g).to(dtype)
+    cur = base.clone()
+    hit = torch.rand(n, generator=g) < 0.01
+    cur[hit] += 1.0
+    want = changed_bits(cur, base)  # host path
+    got = DeviceScan(4096)(cur.to(device), base)  # device path
+    for w, h in zip(want, got, strict=True):
+        assert w.dtype == h.dtype
+        np.testing.assert_array_equal(w, h)
+    assert got[0].size == int(
+        (cur.view(_INT[cur.element_size()]) != base.view(_INT[cur.element_size()])).sum()
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -138,6 +138,10 @@ def _check_report(r: dict, extra: list[str]) -> None:
     assert r["X"]["xor_entries"] > 0
     assert r["P"]["xor_entries"] == 0 and r["F"]["xor_entries"] == 0
     assert r["quiet_items"] == 0
+    for info in r["ranks"]:  # P and F on the NCCL-like world reduced over a gloo group of theirs
+        assert info["world"]["X"] == {"world_takes_cpu": True, "reduced_over_world": True}
+        for mode in ("P", "F"):
+            assert info["world"][mode] == {"world_takes_cpu": False, "reduced_over_world": False}
     assert r["v2_differs_from_v1"] and r["retry_overwrite_only"]
     assert r["retry_mismatched"] == []
     for rank_info in r["ranks"]:

@@ -8,7 +8,8 @@ and F, runs real optimizer steps, builds the deltas, and writes every rank's pay
 directory. Rank 0 then checks them against the bridge's full HF export: applied to the v0 export
 they give the v1 export bit for bit (every tensor), for every mode; no destination is emitted
 twice; a step-less build emits nothing; a partial attempt followed by an overwrite retry gives
-v2 exactly.
+v2 exactly. Hooks P and F run on a world group that rejects CPU tensors (the device-only TEST
+DOUBLE standing in for NCCL, tests/device_only.py), hook X on the gloo world.
 """
 
 from __future__ import annotations
@@ -91,7 +92,15 @@ def main() -> None:
         "hf_config": cfg,  # DeepSeek-V3's bridge builds its mapping registry from the config
     }
     chunks = trainer.chunks  # DDP-wrapped, as a Megatron training loop holds them
-    hooks = {m: DCRHook(chunks, DCRConfig(mode=m, **common)) for m in ("P", "F")}
+    # hooks P and F get a world group that rejects CPU tensors, as an NCCL world does (TEST
+    # DOUBLE, tests/device_only.py; megatron's own groups stay gloo for the CPU model): their
+    # reductions must run on a gloo group the hook creates; hook X reduces over the gloo world
+    from megatron_dcr_hooks.groups import ParallelGroups, RankGroup, takes_host_tensors
+    from tests.device_only import device_only_world
+
+    nccl_like = RankGroup(group=device_only_world(), rank=rank, size=dist.get_world_size())
+    on_double = ParallelGroups.from_megatron().replace(world=nccl_like)
+    hooks = {m: DCRHook(chunks, DCRConfig(mode=m, **common), groups=on_double) for m in ("P", "F")}
     # mode X through enable_dcr: the wrapped optimizer step builds version 1 automatically
     hooks["X"] = enable_dcr(chunks, opt, DCRConfig(mode="X", **{**common, "wrap_step": True}))
     v0 = export_hf_weights(model, cfg)
@@ -152,6 +161,13 @@ def main() -> None:
         after = export()
         skip["params_unchanged"] = all(bits_equal(after[n], v2[n]) for n in v2)
     info: dict = {m: {**h.report(), "build": vars(reports[m])} for m, h in hooks.items()}
+    info["world"] = {  # where each hook's reductions ran
+        m: {
+            "world_takes_cpu": takes_host_tensors(h.groups.world.group),
+            "reduced_over_world": h.groups.cpu_world is h.groups.world,
+        }
+        for m, h in hooks.items()
+    }
     from megatron.core import parallel_state as ps
 
     # who sees context parallelism: megatron's groups, DDP's gradient reduction group, DCR's

@@ -25,13 +25,14 @@ import megatron_dcr_hooks.detection as detection_mod
 import megatron_dcr_hooks.hook as hook_mod
 import megatron_dcr_hooks.residual as residual_mod
 from megatron_dcr_hooks.conversion import ParamTask
-from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
+from megatron_dcr_hooks.groups import ParallelGroups, RankGroup, takes_host_tensors
 from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
 from megatron_dcr_hooks.tasks import TaskKind, classify_tasks
 from shared_codec.checkpoint import bits_equal
 from shared_codec.decode import decode_payload
 from shared_codec.errors import CandidateChanged, DCRError, OwnerBuildError, ProtocolError
 from shared_codec.records import Kind, apply_items
+from tests.device_only import device_only_group
 
 # -- DCRConfig -----------------------------------------------------------------------------------
 
@@ -125,10 +126,12 @@ class FakeModel(torch.nn.Module):
                 p[mask] += 0.5
 
 
-@pytest.fixture
-def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
+@pytest.fixture(params=["gloo", "device-only-world"])
+def groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     """One-rank groups on a gloo group that is NOT torch's default group; the hook's tasks come
-    from the fake model; reaching for megatron-core's groups fails the test."""
+    from the fake model; reaching for megatron-core's groups fails the test. The
+    "device-only-world" case gives the hook a world group that rejects CPU tensors, as NCCL
+    does (TEST DOUBLE, tests/device_only.py): the hook's reductions must go elsewhere."""
 
     def no_megatron() -> ParallelGroups:
         raise AssertionError("ParallelGroups.from_megatron() called below the constructor")
@@ -143,7 +146,10 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     assert not dist.is_initialized()
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     one = RankGroup(group=pg, rank=0, size=1)
-    return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+    if request.param == "gloo":
+        return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+    world = RankGroup(group=device_only_group(), rank=0, size=1)
+    return ParallelGroups(world=world, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
 
 
 def _items(payloads: list[bytes]) -> list[Any]:
@@ -158,7 +164,11 @@ def _config(**kw: Any) -> DCRConfig:
 def test_hook_builds_exact_deltas_on_the_given_groups(groups: ParallelGroups, mode: str) -> None:
     model = FakeModel()
     hook = DCRHook([model], _config(mode=mode), groups=groups)
-    assert hook.groups is groups and hook.rank == 0 and hook.world == 1
+    assert hook.groups.world is groups.world and hook.rank == 0 and hook.world == 1
+    # on a gloo world the hook reduces over it; on a world that takes no CPU tensors (the
+    # device-only double) over a gloo group of its own, never over the world
+    assert (hook.groups is groups) == takes_host_tensors(groups.world.group)
+    assert takes_host_tensors(hook.groups.cpu_world.group)
     kinds = {t.param_task.local_name: t.kind for t in hook.tasks}
     assert kinds == {"col": TaskKind.AFFINE, "norm": TaskKind.AFFINE, "emb": TaskKind.RESIDUAL}
     v0 = model.export()
@@ -179,6 +189,34 @@ def test_hook_builds_exact_deltas_on_the_given_groups(groups: ParallelGroups, mo
     assert hook.committed_version == 1
     quiet = hook.build(2)  # nothing changed since the commit
     assert quiet.items == 0 and _items(hook.payloads) == []
+
+
+@pytest.mark.parametrize("mode", ["X", "P"])
+def test_the_streamed_device_scan_gives_the_same_payload_bytes(
+    groups: ParallelGroups, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection's device path (`DeviceScan`, the baseline streamed in 40-byte chunks), forced
+    onto these host parameters, emits exactly the payload bytes of the host path."""
+    out: dict[str, list[bytes]] = {}
+    for path in ("host", "streamed"):
+        if path == "streamed":
+
+            def streamed(shard: torch.Tensor, tracker: torch.Tensor, scan: Any = None) -> Any:
+                assert scan is not None  # the hook passes its own scan
+                return scan(shard, tracker)
+
+            monkeypatch.setattr(detection_mod, "changed_bits", streamed)  # the guard's path
+            monkeypatch.setattr(hook_mod, "changed_bits", streamed)
+        model = FakeModel()
+        hook = DCRHook([model], _config(mode=mode, detect_chunk_bytes=40), groups=groups)
+        model.perturb(1)
+        hook.build(1)
+        hook.verify_candidate(1)
+        hook.commit()
+        model.perturb(2, fraction=0.01)
+        hook.build(2)
+        out[path] = list(hook.payloads)
+    assert out["host"] and out["streamed"] == out["host"]
 
 
 class FakeNamed:
@@ -466,7 +504,7 @@ def test_enable_dcr_passes_the_groups_and_wraps_the_step(groups: ParallelGroups)
 
     opt = FakeOptimizer()
     hook = enable_dcr([model], opt, _config(wrap_step=True), groups=groups)
-    assert hook.groups is groups
+    assert hook.groups.world is groups.world and hook.groups.tp is groups.tp
     opt.step()
     assert hook.last_report is not None and hook.last_report.version == 1
     opt.ok = False
@@ -490,10 +528,11 @@ def test_owner_service_reduces_over_the_hooks_groups(
     from megatron_dcr_hooks.service import OwnerService, _broadcast_json, _gather_json
     from shared_codec.transport.store import DirectoryStore
 
-    assert _broadcast_json({"op": "x"}, groups.world) == {"op": "x"}
-    assert _gather_json([1, "a"], groups.world) == [[1, "a"]]
     model = FakeModel()
     hook = DCRHook([model], _config(), groups=groups)
+    host = hook.groups.cpu_world  # the world on gloo; a gloo group of the hook's on the double
+    assert _broadcast_json({"op": "x"}, host) == {"op": "x"}
+    assert _gather_json([1, "a"], host) == [[1, "a"]]
     store = DirectoryStore(tmp_path / "payloads")
     svc = OwnerService(hook, {"kind": "dir", "root": str(tmp_path / "payloads")}, "inproc://unused")
     model.perturb(5)
@@ -600,7 +639,7 @@ def test_callback_under_bridges_callback_manager(groups: ParallelGroups) -> None
         fire("on_train_step_end", skipped_iter=False)
     v0 = model.export()
     fire("on_train_start")
-    assert dcr.hook is not None and dcr.hook.groups is groups
+    assert dcr.hook is not None and dcr.hook.groups.world is groups.world
     fire("on_train_step_start")
     model.perturb(5)  # the optimizer's update
     fire("on_train_step_end", skipped_iter=False)

@@ -28,6 +28,7 @@ from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
 from megatron_dcr_hooks.hook import DCRHook
 from megatron_dcr_hooks.tasks import classify_tasks
 from shared_codec.errors import CandidateChanged, OwnerBuildError, ProtocolError
+from tests.device_only import device_only_group
 from tests.unit.megatron.test_hook_units import FakeModel, _config
 
 S = OwnerState
@@ -136,10 +137,11 @@ def test_abort_drops_the_converted_residual_and_keeps_the_guard_records() -> Non
 # -- the hook's state ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
+@pytest.fixture(params=["gloo", "device-only-world"])
+def groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     """One-rank groups on a gloo group that is NOT torch's default group; the hook's tasks come
-    from the FAKE model."""
+    from the FAKE model. "device-only-world": the world rejects CPU tensors as NCCL does (TEST
+    DOUBLE, tests/device_only.py), so the hook and its owner service reduce elsewhere."""
 
     def fake_build_tasks(chunks: list[FakeModel], architecture: str, groups: ParallelGroups, **kw):
         return classify_tasks(chunks[0].param_tasks(), groups, **kw)
@@ -147,7 +149,10 @@ def groups(monkeypatch: pytest.MonkeyPatch) -> ParallelGroups:
     monkeypatch.setattr(hook_mod, "build_tasks", fake_build_tasks)
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     one = RankGroup(group=pg, rank=0, size=1)
-    return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+    if request.param == "gloo":
+        return ParallelGroups(world=one, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
+    world = RankGroup(group=device_only_group(), rank=0, size=1)
+    return ParallelGroups(world=world, tp=one, dp=one, ep=one, expert_dp=one, pp=one)
 
 
 def test_hook_walks_the_owner_states(groups: ParallelGroups) -> None:
