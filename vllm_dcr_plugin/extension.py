@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from shared_codec.errors import DCRError, ProtocolError
-from vllm_dcr_plugin import cpu_compat, patches
+from vllm_dcr_plugin import cpu_compat, device, patches
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import apply_opts as _apply_opts
 from vllm_dcr_plugin.arguments import arguments as _arguments
@@ -285,7 +285,9 @@ class DCRWorkerExtension:
         internals: name, target, pinned version, active; vllm_dcr_plugin/patches.py),
         ``plugin_registrations`` (how often vLLM called the general plugin's ``register()`` in
         this worker process), ``parameters`` and ``buffers`` (lists of ``[name, shape,
-        dtype]``). Callable on every rank; no side effects.
+        dtype]``), ``storage`` (parameter name, ``buffer:<name>`` for a buffer -> ``data_ptr()``;
+        applies keep every address, which CUDA graphs captured: vllm_dcr_plugin/device.py).
+        Callable on every rank; no side effects.
         """
         import vllm
 
@@ -307,4 +309,5 @@ class DCRWorkerExtension:
             "plugin_registrations": registration_count(),
             "parameters": params,
             "buffers": buffers,
+            "storage": device.storage_pointers(model),
         }

@@ -5,10 +5,10 @@ Works on any ``torch.nn.Module`` with a vLLM-style ``load_weights(iterable of (n
 Who does what: the settings config.py (`ReceiverConfig`, from the worker's environment), states
 and their transitions state.py, the prewarm probe capability.py, placement (mode and plan)
 placement.py, derived tensors derived.py, validation and dedupe staging.py, payload sources and
-the fetch loop sources.py, the in-place application apply.py, the ACK ack.py, the optional
-observer observer.py. Every payload must have ``base_version == committed_version``;
-``commit(target)`` moves applied -> clean at the new version; ``dense_load(path, version)``
-restores clean at any version.
+the fetch loop sources.py, the in-place application apply.py, waiting for the device's writes
+before any ACK device.py, the ACK ack.py, the optional observer observer.py. Every payload must
+have ``base_version == committed_version``; ``commit(target)`` moves applied -> clean at the new
+version; ``dense_load(path, version)`` restores clean at any version.
 
 Limitations:
 1. One transition at a time; payloads for the next version are rejected until commit.
@@ -31,7 +31,7 @@ from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin import derived
+from vllm_dcr_plugin import derived, device
 from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.apply import ItemCounter, PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
@@ -288,7 +288,10 @@ class Receiver:
         applied version awaits commit, XOR items arrive while the weights are not exactly
         the committed version, or the attempt does not hold exactly its sealed set (`expect`,
         and the seal a fetch recorded: ids, count, version and base version; staging.py). A
-        failure part-way leaves the receiver ``dirty``."""
+        failure part-way leaves the receiver ``dirty``. Writes are in place (every parameter
+        and buffer keeps its storage address: device.storage_pointers) and finished on the
+        device before the ACK is returned (device.synchronize); an error the device reports
+        then fails the ACK."""
         watch = None if self.observer is None else self.observer.begin(self._rank, Call.APPLY)
         return self._metered(int(attempt), bool(verify), watch, final=True, expect=expect).to_wire()
 
@@ -371,10 +374,17 @@ class Receiver:
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
                 derived.rederive_touched(self.model, self.derived, touched)
-            return tally.ack(ok=False, error=f"{type(e).__name__}: {e}")
+            late = device.settle(self.model)  # a failed ACK too follows the writes made
+            then = "" if late is None else f"; then the device reported: {late}"
+            return tally.ack(ok=False, error=f"{type(e).__name__}: {e}{then}")
         derived.rederive_touched(self.model, self.derived, touched)
+        late = device.settle(self.model)
         tally.total_s = time.perf_counter() - t_start
         self.metrics.placed(tally)
+        if late is not None:  # a write may have failed on the device: a mixture, maybe
+            if tally.touched or self.state == _S.APPLYING:
+                self._failed(target)
+            return tally.ack(ok=False, error=f"device error after the writes: {late}")
         if verify and tally.mismatches:
             self._failed(target)
             return tally.ack(
@@ -424,7 +434,8 @@ class Receiver:
 
     def dense_load(self, path: str, version: int) -> dict[str, Any]:
         """Dense refit from a canonical checkpoint directory through ``load_weights``; the
-        receiver is then clean at `version` (how new or restarted receivers join)."""
+        receiver is then clean at `version` (how new or restarted receivers join). Returns
+        once the writes are finished on the device (device.synchronize)."""
         gate = self.gate()
         if gate:
             raise ProtocolError(f"request gate closed for dense load: {gate}")
@@ -440,6 +451,13 @@ class Receiver:
                 "checkpoint or retry with overwrites"
             ) from None
         derived.rederive_touched(self.model, self.derived, None)
+        late = device.settle(self.model)
+        if late is not None:
+            self.state = advance(self.state, Event.FAILED)
+            raise LoaderConditionError(
+                f"dense load of {path}: the device reported an error after the writes ({late}); "
+                f"the receiver is dirty at committed version {self.committed_version}"
+            )
         self.metrics.dense_loads.inc()
         self.metrics.committed.set(int(version))
         self.committed_version = int(version)

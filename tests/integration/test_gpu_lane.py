@@ -15,7 +15,10 @@ device machine). The oracles are bitwise and computed on the host, independently
    on CPU, torch index ops on any other device, into strided destination views at offsets;
 3. the intercept path (intercept.py, capability.py, placement.py, apply.py) through the real
    `Receiver` with a FAKE loader whose parameters live on the device; the scratch buffer stays
-   on the host (as in vLLM), so every loader copy is a host -> device ``copy_``.
+   on the host (as in vLLM), so every loader copy is a host -> device ``copy_``;
+4. the receiver on the device (device.py): refits keep every parameter's storage address (CUDA
+   graphs replay on the addresses they captured) and each ACK follows a synchronize of the
+   parameters' device (none on the host).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tests.unit.megatron.test_hook_units import (  # noqa: F401 - `groups` is a 
     _items,
     groups,
 )
+from vllm_dcr_plugin import device as dcr_device
 from vllm_dcr_plugin.intercept import ViewGeom, flat_storage_bits
 from vllm_dcr_plugin.receiver import Receiver
 from vllm_dcr_plugin.scatter import count_mismatches, scatter_direct
@@ -337,3 +341,56 @@ def test_intercepted_apply_on_device_matches_the_cpu_run(device: str, placement:
     }
     assert ack["elements_written"] == cpu_ack["elements_written"]
     assert all(torch.equal(bits[n], cpu_bits[n]) for n in bits)
+
+
+# -- 4. the receiver on the device: storage kept, the device waited for before each ACK ----------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", ["plan", "loader"])
+def test_applies_keep_storage_and_wait_for_the_device_before_the_ack(
+    device: str, placement: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real `Receiver` over the FAKE loader on `device`: two refits (v0 -> v1 with XOR and
+    overwrite items, then v1 -> v0 all overwrites) keep every parameter's ``data_ptr`` (the
+    addresses CUDA graphs capture), and each ACK follows ``torch.accelerator.synchronize`` on
+    the parameters' device (vllm_dcr_plugin/device.py); on the host nothing is waited for."""
+    waited: list[str] = []
+    real = torch.accelerator.synchronize
+
+    def recording(d: Any = None) -> None:
+        waited.append(str(d))
+        real(d)
+
+    monkeypatch.setattr(torch.accelerator, "synchronize", recording)
+    v0, v1 = _canonical(0), _canonical_v1()
+    model = FakeDeviceLoader(device)
+    with torch.no_grad():
+        model.load_weights(v0.items())
+    rx = Receiver(model, rank={"rank": 0}, placement=placement)
+    table = [[n, str(dt).removeprefix("torch."), list(s)] for n, (s, dt) in CANON.items()]
+    report = rx.prewarm(table, committed_version=0)
+    before = dcr_device.storage_pointers(model)
+    for version, (a, b, all_overwrite) in enumerate(((v0, v1, False), (v1, v0, True)), start=1):
+        items = [
+            diff_tensors(
+                n, a[n], b[n],
+                kind=Kind.OVERWRITE if all_overwrite or n in report["overwrite_only"] else Kind.XOR,
+            )
+            for n in CANON
+        ]  # fmt: skip
+        meta = PayloadMeta(
+            version=version, base_version=version - 1, attempt=0, owner=0, sequence=0
+        )
+        assert rx.stage(encode_items(items, meta))["staged"]
+        waited.clear()
+        ack = rx.apply(0, verify=True)
+        assert ack["ok"] and ack["post_apply_mismatches"] == 0, ack
+        assert waited == ([] if device == "cpu" else [f"{device}:0"]), waited
+        rx.commit(version)
+        assert dcr_device.storage_pointers(model) == before, f"version {version}"
+    expected = FakeDeviceLoader("cpu")  # back at v0: a dense load of v0 on the host
+    with torch.no_grad():
+        expected.load_weights(v0.items())
+    bits = _bits(model)
+    assert all(torch.equal(bits[n], b) for n, b in _bits(expected).items())

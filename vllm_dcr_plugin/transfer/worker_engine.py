@@ -15,8 +15,10 @@ Calls (the trainer engine `vllm_dcr_plugin.transfer.trainer_engine` makes them i
    that fails keeps the previous init (control store, engine name, payload key).
 2. ``start_weight_update()``: opens vLLM's session; nothing else.
 3. ``update_weights(DCRUpdateInfo)``: one attempt (version, base version, attempt) is fetched
-   from the payload source and applied, pipelined (each payload applied as it arrives) or
-   staged first; ``overwrite_only`` rejects XOR items (retries).
+   from the payload source and applied in place, pipelined (each payload applied as it
+   arrives) or staged first; ``overwrite_only`` rejects XOR items (retries). The writes are
+   finished on the device before the report (what vLLM's base ``update_weights`` does on a
+   GPU; `DCRWeightTransferEngine.update_weights` says how).
 4. ``finish_weight_update()``: reads the commit record of the pending attempt's version from
    the control store: if it names this attempt, the post-apply check runs (the weights still
    have the digest the update reported) and the receiver commits; otherwise the attempt is
@@ -318,7 +320,33 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One attempt (see the module docstring); never raises, always reports.
-        Overrides the base method, which synchronizes an accelerator (none on CPU)."""
+
+        Does what vLLM 0.32's base method does on a GPU (vllm/distributed/weight_transfer/
+        base.py, ``WeightTransferEngine.update_weights``: ``parse_update_info``, then
+        ``receive_weights``, then ``torch.accelerator.synchronize()``), in the order an engine
+        that reports from ``receive_weights`` needs:
+
+        1. parse: in `receive_weights` (`parse_update_info` never raises: info that does not
+           parse is an error report and changes nothing, where the base's ``ValueError`` would
+           end the worker's session);
+        2. receive: fetch and apply through the worker's `Receiver`;
+        3. synchronize: inside the receiver, after the writes and their re-derivation and
+           before the ACK that this call reports (vllm_dcr_plugin.device.synchronize: the
+           model's accelerator devices, a no-op on CPU). The base synchronizes after
+           ``receive_weights`` returns, which here would follow the report, and an error the
+           device raised then could not fail it.
+
+        What the base leaves to start and finish does not apply: vLLM's checkpoint-format
+        engines (``NCCLWeightTransferEngine``, ``IPCWeightTransferEngine``) run layerwise reload
+        there (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``, which re-runs
+        ``process_weights_after_loading`` per layer and copies the results into the kernel
+        tensors' storage). DCR writes the resident weights in place, as vLLM's in-place engine
+        ``SparseNCCLWeightTransferEngine`` does (its start and finish are no-ops), keeping every
+        parameter's and buffer's storage (the addresses CUDA graphs captured); the post-load
+        work that in-place writes would leave stale (derived tensors) is re-run by the receiver
+        for the touched layers (vllm_dcr_plugin.derived). ``defers_processing`` stays False:
+        when this returns, the weights are on the device. The worker's own
+        ``finish_weight_update`` (vllm/v1/worker/gpu_worker.py) resets LoRA state itself."""
         self.receive_weights(update_info)
 
     @staticmethod

@@ -6,7 +6,8 @@ v0 -> v1 (mixed XOR/overwrite delta, staged twice), v1 -> v2 (a partial XOR appl
 overwrite-only retry of the complete changed set), v2 -> v3 (overwrite-only), with rejection cases
 (wrong base version, corrupted, unknown tensor, wrong shape), exactly-once cases (a re-sequenced
 duplicate, an extra and a missing payload against the sealed set) and apply-before-prewarm
-checked against digests. `--placement` chooses how applies place direct-path items (the
+checked against digests, and each rank's storage addresses (``dcr_info``'s ``storage``) before
+the dense loads and the first apply, and at the end. `--placement` chooses how applies place direct-path items (the
 replayed placement plan or the native loader; ``dcr_set_placement``); after the dense
 references the plan is re-verified against a fresh trace (``dcr_verify_plan``). The test file
 asserts on the report.
@@ -56,6 +57,10 @@ def main() -> None:
     def digests() -> list[str]:
         return [d["digest"] for d in llm.collective_rpc("dcr_digest")]
 
+    def storage(infos: list[dict]) -> list[dict[str, int]]:
+        """Each rank's parameter / buffer name -> data_ptr (dcr_info's ``storage``)."""
+        return [i["storage"] for i in sorted(infos, key=lambda i: i["rank"])]
+
     def rpc_error(method: str, *a) -> str | None:
         errors = [r.get("error") for r in llm.collective_rpc(method, args=a) if not r["ok"]]
         return "; ".join(errors) if errors else None
@@ -87,9 +92,13 @@ def main() -> None:
         report["bad_args"][label] = llm.collective_rpc(method, args=a, kwargs=kw)
     report["d0_after_bad_args"] = digests()
     report["status_after_bad_args"] = llm.collective_rpc("dcr_status")
-    report["info_after_bad_args"] = [
-        {k: i[k] for k in ("ok", "rank", "tp_rank")} for i in llm.collective_rpc("dcr_info")
-    ]
+    infos = llm.collective_rpc("dcr_info")
+    report["info_after_bad_args"] = [{k: i[k] for k in ("ok", "rank", "tp_rank")} for i in infos]
+    # storage addresses before the dense loads and the first apply, from this call: on the MLA
+    # model at TP=2 (mla-tp2) an extra RPC between the first generation and the references was
+    # seen to flip later greedy tokens while every digest (weights, buffers, derived views)
+    # stayed equal, so the engine's output there depends on more than its weights
+    report["storage"] = {"before_apply": storage(infos)}
 
     # references: dense loads of v1..v3 on this engine, then back to v0
     report["ref"] = []
@@ -242,6 +251,7 @@ def main() -> None:
     ]
     report["commit3"] = client.commit(3)
     report["metrics"] = [m["text"] for m in llm.collective_rpc("dcr_metrics")]
+    report["storage"]["end"] = storage(llm.collective_rpc("dcr_info"))  # after all generation
     Path(args.out).write_text(json.dumps(report, default=str))
     os._exit(0)
 

@@ -2,7 +2,8 @@
 (every parameter and buffer, every rank) and gives identical greedy tokens; duplicates are
 applied once; a partial apply is repaired by an overwrite retry; bad payloads change nothing; an
 attempt applies exactly its sealed set (a re-sequenced duplicate, an extra or a missing payload
-fails with a clear error and changes nothing).
+fails with a clear error and changes nothing); no apply moves a parameter's or buffer's storage
+(the addresses CUDA graphs captured).
 The engine program is receiver_program.py; see its docstring for the scenario."""
 
 from __future__ import annotations
@@ -223,6 +224,12 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
         assert ('dcr_placement_fallbacks_total{reason="loader_mode"}' in text) == (mode == "loader")
         assert "dcr_placement_fallbacks_total{" not in text or mode == "loader"
     assert r["d3"] == r["ref"][2]["digest"] and r["tokens3"] == r["ref"][2]["tokens"]
+    # every write was in place: each rank's parameters and buffers kept their data_ptr (the
+    # addresses CUDA graphs capture) from before the dense loads and the first apply to after
+    # the applies (XOR and overwrite, a partial apply and its overwrite retry)
+    storage = r["storage"]
+    assert len(storage["before_apply"]) == ranks and all(storage["before_apply"]), storage
+    assert storage["end"] == storage["before_apply"]
     if case[0] == "qwen3-tp1" and mode == "plan":
         # the dense-load reference itself equals a fresh engine started on v3
         fresh = tmp_path / "fresh.json"

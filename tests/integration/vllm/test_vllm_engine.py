@@ -64,6 +64,11 @@ def test_tp1_engine_dcr_info_and_plugin(engine_tp1, tiny_models) -> None:
     fused = params["model.layers.0.self_attn.qkv_proj.weight"]
     assert fused == ([q.shape[0] + k.shape[0] + v.shape[0], q.shape[1]], "bfloat16")
     assert params["lm_head.weight"][0] == list(hf["lm_head.weight"].shape)
+    # storage addresses: every parameter and buffer (test_receiver.py: applies keep them)
+    storage = info["storage"]
+    assert set(storage) == set(params) | {f"buffer:{n}" for n, _, _ in info["buffers"]}
+    assert all(isinstance(a, int) for a in storage.values())
+    assert all(storage[n] > 0 for n in params), storage  # resident weights (cpu_compat)
     assert all(len(tokens) == 8 for tokens in engine_tp1["tokens"])
 
 
