@@ -43,7 +43,8 @@ def group_device(group: Any) -> torch.device:
     tensors, else the current accelerator device (``torch.accelerator``)."""
     if takes_host_tensors(group):
         return _HOST
-    acc = torch.accelerator.current_accelerator()
+    # a CUDA build of torch names an accelerator on a host without a device: ask if one is usable
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is None:
         raise RuntimeError(
             "a process group without a CPU backend (NCCL) and no accelerator on this host: "
