@@ -16,6 +16,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -60,10 +61,7 @@ class TensorLoc:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def read_layout(directory: Path) -> dict[str, TensorLoc]:
