@@ -57,9 +57,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from shared_codec.checkpoint import combined_digest
 from shared_codec.errors import ArgumentError, ProtocolError, ReplicaError
@@ -79,31 +77,10 @@ from shared_codec.replica.state import (
     save_state,
     slot_dir,
 )
-from shared_codec.replica.transition import build_record, decode_attempt
+from shared_codec.replica.transition import StageResult, build_record, decode_attempt
+from shared_codec.replica.transition import nonneg as _nonneg
 
 log = logging.getLogger("dcr.replica")
-
-
-def _nonneg(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
-        raise ArgumentError(f"{what} must be an integer in [0, 2^63), got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageResult:
-    """What a stage wrote: the staged (version, attempt) over `base_version`, how much it
-    changed, and `digest`, the combined digest of the staged canonical state
-    (`checkpoint.combined_digest` of every tensor's `checkpoint.tensor_digest`)."""
-
-    version: int
-    attempt: int
-    base_version: int
-    payloads: int
-    tensors: int
-    elements: int
-    digest: str
-    seconds: float
 
 
 class ReplicaStore:

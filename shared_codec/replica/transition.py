@@ -19,15 +19,40 @@ dropped from the record.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from shared_codec.decode import decode_payload
-from shared_codec.errors import PayloadError
+from shared_codec.errors import ArgumentError, PayloadError
 from shared_codec.format import Payload
 from shared_codec.records import DeltaItem, Kind
 from shared_codec.replica.layout import SlotFiles, TensorLoc
 from shared_codec.replica.log import Record, TensorChange
+
+
+def nonneg(value: Any, what: str) -> int:
+    """`value` when it is an int in [0, 2^63), else `ArgumentError` naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ArgumentError(f"{what} must be an integer in [0, 2^63), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageResult:
+    """What a stage wrote: the staged (version, attempt) over `base_version`, how much it
+    changed, and `digest`, the combined digest of the staged canonical state
+    (`checkpoint.combined_digest` of every tensor's `checkpoint.tensor_digest`)."""
+
+    version: int
+    attempt: int
+    base_version: int
+    payloads: int
+    tensors: int
+    elements: int
+    digest: str
+    seconds: float
 
 
 def decode_attempt(
