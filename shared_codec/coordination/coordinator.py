@@ -36,10 +36,17 @@ out to every trainer rank / every engine rank behind them):
 
 Failure handling: a failed attempt is fenced on every reachable engine (``abort``: its staged
 and late payloads are refused by attempt id) and on the owners; engines that failed are
-restored to the committed version with a dense load (restarting them where the handle can) -
-membership changes only here, between attempts; then the next attempt (a retry) starts. After
+restored to the committed version with a dense load (restarting them where the handle can);
+one whose restore fails leaves the membership (``evict``; never a ``required`` receiver such as
+the replica, whose failed restore fails the transition), so a dead engine never blocks a commit
+past its deadline; then the next attempt (a retry) starts. After
 ``max_attempts`` the transition raises `RefitFailed` and leaves the committed version in force
 (engines that applied part of it are dirty until a later retry or dense load repairs them).
+
+Membership: `join` restores an engine to the committed version (a dense load from its
+``checkpoint_for``: the rollout cluster's replica, shared_codec/replica) and includes it from
+the next transition; `leave` removes one. Both run between transitions; the commit record's
+``receivers`` lists each version's members.
 
 `CandidateChanged` (from the guard, or from a retry's build) ends the transition at once:
 the attempt is fenced, every engine is restored to the committed version (dense load) and
@@ -67,9 +74,10 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from shared_codec.coordination.commit import CommitConflict, CommitLog, CommitRecord
+from shared_codec.coordination.participants import Engine, Owners, required
 from shared_codec.coordination.protocol import BuildReply, EngineAck, VerifyReply
 from shared_codec.coordination.retention import ATTEMPTS, Retention
 from shared_codec.errors import ArgumentError, CandidateChanged, DCRError, RefitFailed
@@ -79,61 +87,23 @@ from shared_codec.transport.spec import Role, TransportSpec
 _log = logging.getLogger("dcr.coordinator")
 
 
-class Owners(Protocol):
-    """The owner group (every trainer rank). Implementations: `megatron_dcr_hooks.service`."""
-
-    def build(self, version: int, attempt: int, retry: bool) -> BuildReply | Mapping[str, Any]:
-        """Construct and publish attempt `attempt` of `version` (payloads, then manifest):
-        the `BuildReply` (or its plain object, checked by the coordinator)."""
-        ...
-
-    def verify(self, version: int) -> VerifyReply | Mapping[str, Any] | None:
-        """The candidate guard: raise `CandidateChanged` if the trainer's weights moved since
-        `version` was built (called before the compare-and-set). May return the `VerifyReply`
-        (the owner service: its ``guard``, kept as the attempt's `AttemptResult.guard`)."""
-        ...
-
-    def commit(self, version: int) -> None: ...
-
-    def abort(self, version: int, attempt: int) -> None: ...
-
-
-class Engine(Protocol):
-    """One rollout engine (all its ranks). Implementation: `handle.EngineHandle` over a channel
-    (`engines.HttpEngine`, `RayEngine`, `InProcessEngine`, the native backend's `NativeEngine`)."""
-
-    name: str
-
-    def apply(self, version: int, attempt: int, timeout_s: float) -> EngineAck | Mapping[str, Any]:
-        """Deliver (fetch or receive, then stage) and apply the attempt: the `EngineAck` (or
-        its plain object, checked by the coordinator)."""
-        ...
-
-    def commit(self, version: int) -> None: ...
-
-    def abort(self, attempt: int) -> None: ...
-
-    def digest(self) -> str: ...
-
-    def restore(self, version: int) -> None:
-        """Bring this engine (restarting it if it died) to committed `version` by a dense
-        load, ready to take the next attempt."""
-        ...
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorConfig:
     """`max_attempts` per transition; `ack_timeout_s`: deadline for each engine's delivery +
     apply; `record_digests`: read every engine's digest into the commit record (a full hash of
     the weights on every rank: cheap for small models, seconds for large ones); `pipeline`: overlap
     the engines' delivery + apply with the owners' build (module docstring, step 3);
-    `keep_versions`: retention after each commit (`Coordinator.retain`; 0 keeps everything)."""
+    `keep_versions`: retention after each commit (`Coordinator.retain`; 0 keeps everything);
+    `evict`: an engine that failed an attempt and whose restore then failed leaves the
+    membership and the retry goes on without it (a receiver whose ``required`` attribute is
+    true, the replica, never leaves: its failed restore fails the transition)."""
 
     max_attempts: int = 3
     ack_timeout_s: float = 600.0
     record_digests: bool = True
     pipeline: bool = True  # start engines with the build (needs a way to abandon attempts)
     keep_versions: int = 2  # retention: versions older than the newest N committed go (0: keep)
+    evict: bool = True  # an engine that cannot be restored leaves instead of failing the refit
 
 
 @dataclass
@@ -149,6 +119,7 @@ class AttemptResult:
     acks: dict[str, EngineAck] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     unreachable: set[str] = field(default_factory=set)  # raised or missed the deadline
+    evicted: dict[str, str] = field(default_factory=dict)  # left the membership: why
     seconds: dict[str, float] = field(default_factory=dict)
     candidate_changed: bool = False  # the owners' weights moved after the build
 
@@ -290,6 +261,41 @@ class Coordinator:
             ):
                 return attempt, attempt > 0
             attempt += 1  # another coordinator reserved it first: never share an attempt
+
+    # -- membership (between transitions) ------------------------------------------------------
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The receivers of the next transition (the commit record lists each version's)."""
+        return tuple(r.name for r in self.engines)
+
+    def join(self, engine: Engine) -> CommitRecord:
+        """Add `engine` from the next transition on: restore it to the committed version (a
+        dense load from its handle's ``checkpoint_for``, the rollout cluster's replica, then a
+        prewarm), fence the attempts already reserved for the next version, then include it.
+        Returns the current commit record. Nothing changes when the restore fails."""
+        self.wait_retention()
+        if engine.name in self.members:
+            raise ArgumentError(f"engine: {engine.name!r} is already a member")
+        cur = self.commits.current()
+        if cur is None:
+            raise DCRError(_NO_RECORD)
+        engine.restore(cur.version)
+        for a in self.attempts_of(cur.version + 1):
+            engine.abort(a)
+        self.engines.append(engine)
+        self.log(f"engine {engine.name} joined at committed version {cur.version}")
+        return cur
+
+    def leave(self, name: str) -> Engine:
+        """Remove engine `name` from the next transition on (it keeps the weights it holds;
+        nothing more is sent to it). Returns its handle."""
+        self.wait_retention()
+        for r in self.engines:
+            if r.name == name:
+                self.engines.remove(r)
+                self.log(f"engine {name} left the membership")
+                return r
+        raise ArgumentError(f"engine: {name!r} is not a member (members: {list(self.members)})")
 
     # -- one transition ----------------------------------------------------------------------
     def refit(self, version: int | None = None) -> RefitResult:
@@ -467,12 +473,24 @@ class Coordinator:
                 f"the owners could not abort it: {e}; nothing committed (committed version "
                 f"{committed} stays)"
             ) from e
-        for r in self.engines:  # alive-but-failed engines are repaired by the overwrite retry
+        # alive-but-failed engines are repaired by the overwrite retry; the required ones
+        # (the replica) first, since the others may restore from it
+        for r in sorted(self.engines, key=lambda r: not required(r)):
             if r.name in res.unreachable:
                 self.log(f"restoring engine {r.name} to committed version {committed}")
-                r.restore(committed)
-                for a in self.attempts_of(version):  # a restored engine forgot its fences
-                    r.abort(a)
+                try:
+                    r.restore(committed)
+                    for a in self.attempts_of(version):  # a restored engine forgot its fences
+                        r.abort(a)
+                except Exception as e:
+                    if required(r) or not self.config.evict:
+                        raise
+                    self._evict(r.name, f"restore failed: {type(e).__name__}: {e}", res)
+
+    def _evict(self, name: str, why: str, res: AttemptResult) -> None:
+        self.engines = [r for r in self.engines if r.name != name]
+        res.evicted[name] = why
+        self.log(f"engine {name} left the membership ({why}); the next attempt goes on without it")
 
 
 __all__ = [

@@ -28,6 +28,7 @@ Limitations:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 from shared_codec.coordination.protocol import EngineAck, RankReply
@@ -79,8 +80,10 @@ class EngineHandle:
     """The coordinator's handle of one engine over a `Channel` (module docstring).
 
     `tensors`: the canonical tensor table for prewarm (``[[name, dtype, shape], ...]``);
-    `checkpoint_for(version)`: a canonical checkpoint directory of a committed version (dense
-    loads on restore; None: this handle cannot restore); `pipelined` (default): an attempt is
+    `checkpoint_for(version)`: a canonical checkpoint directory of a committed version, or a
+    context manager giving one and holding it while the engine loads it (the replica's lease,
+    shared_codec/replica); dense loads on restore; None: this handle cannot restore;
+    `pipelined` (default): an attempt is
     applied payload by payload as it arrives, so the coordinator can start it while the owners
     build; `verify`: every apply checks its writes."""
 
@@ -90,7 +93,7 @@ class EngineHandle:
         channel: Channel,
         *,
         tensors: list,
-        checkpoint_for: Callable[[int], str] | None = None,
+        checkpoint_for: Callable[[int], Any] | None = None,
         verify: bool = False,
         pipelined: bool = True,
     ) -> None:
@@ -138,16 +141,18 @@ class EngineHandle:
                 raise DCRError(f"receiver {self.name} is {why} and has no launcher to restart it")
             self.channel.relaunch()
             relaunched = True
-        path = self.checkpoint_for(version)
-        try:
-            self.channel.load(version, path, self.tensors)
-        except EngineUnreachable:
-            # a worker that died can leave the API server answering /health for a moment while
-            # its executor is already shut down: restart it once, then load
-            if relaunched or not self.channel.can_relaunch():
-                raise
-            self.channel.relaunch()
-            self.channel.load(version, path, self.tensors)
+        got = self.checkpoint_for(version)
+        held = got if isinstance(got, AbstractContextManager) else nullcontext(got)
+        with held as path:  # a replica's lease holds the version's files while they load
+            try:
+                self.channel.load(version, str(path), self.tensors)
+            except EngineUnreachable:
+                # a worker that died can leave the API server answering /health for a moment
+                # while its executor is already shut down: restart it once, then load
+                if relaunched or not self.channel.can_relaunch():
+                    raise
+                self.channel.relaunch()
+                self.channel.load(version, str(path), self.tensors)
 
     # -- the dcr_* RPCs, where the channel has them --------------------------------------------
     def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> list[RankReply]:

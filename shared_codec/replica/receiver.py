@@ -1,0 +1,216 @@
+"""`ReplicaReceiver`: the canonical replica as a required receiver of every transition (the
+coordinator's `Engine` protocol over a `ReplicaStore` in this process; service.py serves it
+over HTTP to a coordinator elsewhere, client.py is that coordinator's handle).
+
+Per transition, in the coordinator's order (docs/protocol.md, "The replica"):
+1. ``apply(v, a, timeout_s)``: read the attempt's sealed payload set from the rollout
+   cluster's payload source (the same transport spec the engines fetch from; the seal is
+   waited for, so a pipelined coordinator may call it while the owners still build), then
+   ``store.stage(v, a, payloads)``: validated, logged, written to the shadow slot and durable
+   before the ACK. An overwrite retry stages a new attempt, which undoes the previous one.
+2. ``commit(v)``: the staged version becomes the committed one (idempotent).
+3. ``abort(a)``: fence attempt `a` of the version being staged (a later apply of it is refused,
+   also one that is still fetching) and undo it if it is staged.
+
+`restore(v)` (the coordinator's repair after a failed or unreachable attempt) reopens the store,
+which recovers whatever a crash left, and commits `v` when it is staged (the coordinator died
+between its compare-and-set and telling the replica); a replica whose committed version is
+not `v` afterwards is refused: nothing but a bootstrap or a catch-up may move it.
+
+`checkpoint_for(v)` is a lease on `v`'s slot: ``with replica.checkpoint_for(v) as path:`` (a
+restore or join of an engine on this host dense-loads `path`); the digest of a version is the
+store's (`checkpoint.combined_digest` of the canonical tensors).
+
+Limitations:
+1. Calls are serialized by one lock (the store is not thread-safe); a fetch waits outside it.
+2. Fences live in memory: a restarted replica is fenced again by the coordinator's restore.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from shared_codec.coordination.protocol import EngineAck, RankAck
+from shared_codec.errors import ProtocolError, ReplicaError
+from shared_codec.replica.state import ReplicaStatus
+from shared_codec.replica.store import ReplicaStore
+from shared_codec.transport.spec import Role, TransportSpec
+
+
+class ReplicaReceiver:
+    """The replica's receiver side (module docstring). `root`: the bootstrapped replica root;
+    `source`: the payload source spec the replica reads attempts from (``dir``, ``s3``, or a
+    relay node's ``spool``); `key`: the payload secret; `lease_timeout_s`: how long a stage
+    waits for readers of the slot it must write."""
+
+    #: a required receiver: the coordinator never removes it from a transition
+    required = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        source: TransportSpec | Mapping[str, Any] | str,
+        *,
+        name: str = "replica",
+        key: bytes | None = None,
+        lease_timeout_s: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.root = Path(root).resolve()
+        self.source = TransportSpec.parse(source, role=Role.SOURCE, what="replica source")
+        self.key = key
+        self.lease_timeout_s = lease_timeout_s
+        self._lock = threading.Lock()
+        self._store: ReplicaStore | None = self._open()
+        self._fenced: set[int] = set()  # attempts of the version after the committed one
+        self.last: EngineAck | None = None
+
+    def _open(self) -> ReplicaStore:
+        store = ReplicaStore(self.root, key=self.key, lease_timeout_s=self.lease_timeout_s)
+        try:
+            store.status()  # the constructor recovered it; refused when never bootstrapped
+        except ProtocolError:
+            store.close()
+            raise ReplicaError(
+                f"{self.root}: not bootstrapped (dcr replica bootstrap ROOT CHECKPOINT first)"
+            ) from None
+        return store
+
+    @property
+    def store(self) -> ReplicaStore:
+        if self._store is None:
+            raise ReplicaError(f"replica {self.name}: closed")
+        return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def status(self) -> ReplicaStatus:
+        with self._lock:
+            return self.store.status()
+
+    def committed_version(self) -> int:
+        return self.status().committed
+
+    # -- the coordinator's Engine protocol ----------------------------------------------------
+    def apply(self, version: int, attempt: int, timeout_s: float) -> EngineAck:
+        """Fetch the attempt's sealed payloads and stage them durably (module docstring, 1).
+        A refused or unreadable attempt is a failed ACK naming why; nothing is staged."""
+        t0 = time.perf_counter()
+        committed = self.committed_version()
+        if version != committed + 1:  # stale (or not yet possible): fetch nothing
+            return self._failed(
+                version, attempt,
+                f"version {version} is not the next one after the replica's committed version "
+                f"{committed}",
+            )  # fmt: skip
+        if attempt in self._fenced:
+            return self._failed(version, attempt, f"attempt {attempt} is fenced (aborted)")
+        try:
+            payloads = list(
+                self.source.open_source(key=self.key).fetch(version, attempt, timeout_s)
+            )
+        except Exception as e:  # transport: missing, abandoned, timed out
+            return self._failed(version, attempt, f"fetch: {type(e).__name__}: {e}")
+        fetched = time.perf_counter()
+        with self._lock:
+            if attempt in self._fenced:  # fenced while it fetched: a late attempt
+                return self._failed(version, attempt, f"attempt {attempt} is fenced (aborted)")
+            try:
+                res = self.store.stage(version, attempt, payloads)
+            except Exception as e:
+                return self._failed(version, attempt, f"stage: {type(e).__name__}: {e}")
+        done = time.perf_counter()
+        rank = RankAck(
+            ok=True,
+            attempt=attempt,
+            rank=0,
+            target_version=version,
+            payloads=res.payloads,
+            items=res.tensors,
+            elements_written=res.elements,
+            bytes=sum(len(p) for p in payloads),
+        )
+        self.last = EngineAck.merge(
+            [rank], fetch_s=fetched - t0, apply_s=done - fetched,
+            fetched_bytes=rank.bytes, payloads=len(payloads),
+        )  # fmt: skip
+        return self.last
+
+    def _failed(self, version: int, attempt: int, why: str) -> EngineAck:
+        rank = RankAck(ok=False, attempt=attempt, rank=0, target_version=version, error=why)
+        self.last = EngineAck.merge([rank])
+        return self.last
+
+    def commit(self, version: int) -> None:
+        with self._lock:
+            if self.store.commit(version):
+                self._fenced.clear()  # attempt ids start again for the next version
+
+    def abort(self, attempt: int) -> None:
+        with self._lock:
+            self._fenced.add(attempt)
+            st = self.store.status()
+            shadow = st.slots[1 - st.committed_slot]
+            if shadow.target is not None:
+                self.store.abort(shadow.target, attempt)
+
+    def digest(self) -> str:
+        """The digest of the staged version when one is staged (what the commit record binds,
+        as an engine's digest is of its applied weights), else of the committed one."""
+        with self._lock:
+            st = self.store.status()
+            shadow = st.slots[1 - st.committed_slot]
+            staged = shadow.target if shadow.status.value == "staged" else None
+            return self.store.digest(staged)
+
+    def restore(self, version: int) -> None:
+        """Reopen (recover) the store and bring it to committed `version` when that is staged
+        (module docstring); `ReplicaError` when the replica does not hold `version`."""
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+            self._store = self._open()
+            self._fenced.clear()
+            st = self.store.status()
+            shadow = st.slots[1 - st.committed_slot]
+            if (
+                st.committed + 1 == version
+                and shadow.target == version
+                and shadow.attempt is not None
+            ):
+                self.store.commit(version)
+                st = self.store.status()
+            if st.committed != version:
+                raise ReplicaError(
+                    f"replica {self.name}: holds committed version {st.committed}, not {version}"
+                    " (it cannot be restored from itself: bootstrap it again from a checkpoint"
+                    f" of version {version})"
+                )
+
+    # -- reads ----------------------------------------------------------------------------------
+    def checkpoint_for(self, version: int) -> AbstractContextManager[Path]:
+        """A lease on `version`'s slot (``with ... as path``): the directory of that committed
+        version, unchanged while the lease is held."""
+        return self.store.lease(version, timeout_s=self.lease_timeout_s, holder="restore")
+
+    def checkpoints(self) -> Callable[[int], AbstractContextManager[Path]]:
+        """`checkpoint_for` for engine handles on this host, taking leases by root (works
+        from any thread or process, also while this receiver is restored)."""
+        from shared_codec.replica.leases import lease
+
+        root, timeout = self.root, self.lease_timeout_s
+        return lambda v: lease(root, v, timeout_s=timeout, holder="restore")
+
+
+__all__ = ["ReplicaReceiver"]
