@@ -5,8 +5,10 @@
   holding another one is refused).
 - ``dcr replica status ROOT [--json]``: what ``STATE.json`` records (committed version and
   slot, what each slot holds), read without the writer lock, so also while a replica runs.
-
-The service (coordinator channel, HTTP range reads, restore and join) is not built yet.
+- ``dcr replica serve ROOT --source SPEC [--host H] [--port P] [--key HEX]``: the replica's
+  HTTP service (shared_codec/replica/service.py): a required receiver of every transition
+  for a coordinator's `HttpReplica`, and the committed checkpoints with range reads for
+  restores and joins. Prints ``{"url", "root"}`` as one JSON line once it listens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument("root", help="replica root directory")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=cmd_status)
+    v = sub.add_parser("serve", help="serve the replica over HTTP (receiver + checkpoints)")
+    v.add_argument("root", help="a bootstrapped replica root directory")
+    v.add_argument("--source", required=True, help="payload source spec (JSON: dir, s3, spool)")
+    v.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    v.add_argument("--port", type=int, default=0, help="port (default: any free one)")
+    v.add_argument("--key", default="", help="hex payload secret for keyed payloads")
+    v.add_argument("--name", default="replica", help="its name in commit records")
+    v.add_argument(
+        "--lease-timeout", type=float, default=30.0,
+        help="seconds a stage waits for readers of the slot it must write",
+    )  # fmt: skip
+    v.set_defaults(func=cmd_serve)
 
     def usage(_args: argparse.Namespace) -> int:
         p.print_help()
@@ -85,4 +99,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return 1
     _print(status, args.json)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from shared_codec.errors import DCRError
+    from shared_codec.replica.receiver import ReplicaReceiver
+    from shared_codec.replica.service import serve
+
+    try:
+        receiver = ReplicaReceiver(
+            args.root, args.source, name=args.name,
+            key=bytes.fromhex(args.key) if args.key else None,
+            lease_timeout_s=args.lease_timeout,
+        )  # fmt: skip
+    except (DCRError, ValueError, TypeError) as e:
+        print(f"dcr replica serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    serve(receiver, args.host, args.port)
     return 0

@@ -231,11 +231,15 @@ class DCRWorkerExtension:
     @_rpc
     def dcr_dense_load(self, path: str, version: int = 0) -> dict[str, Any]:
         """Dense refit from a canonical checkpoint directory through ``load_weights``; the
-        receiver is then clean at `version`."""
-        with _arguments("dcr_dense_load"):
-            args = (_checkpoint(path, "path"), _int(version, "version"))
-            self._dcr_receiver().check_checkpoint(args[0], "path")
-        return self._dcr_receiver().dense_load(*args)
+        receiver is then clean at `version`. `path` may be a replica's checkpoint URL
+        (shared_codec/replica/client.py): it is downloaded first, then loaded and removed."""
+        from shared_codec.replica.client import local_checkpoint
+
+        with local_checkpoint(path) as local:
+            with _arguments("dcr_dense_load"):
+                args = (_checkpoint(local, "path"), _int(version, "version"))
+                self._dcr_receiver().check_checkpoint(args[0], "path")
+            return self._dcr_receiver().dense_load(*args)
 
     @_rpc
     def dcr_verify_plan(self) -> dict[str, Any]:

@@ -54,6 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
+from shared_codec.replica.client import is_checkpoint_url, local_checkpoint
 from shared_codec.transport.base import ObjectStore
 from shared_codec.transport.spec import Role, TransportSpec
 from vllm_dcr_plugin import patches
@@ -91,7 +92,8 @@ class DCRInitInfo(WeightTransferInitInfo):
     source spec (``dir``/``s3`` store or a relay node's ``spool``) - both JSON objects on the
     wire, `TransportSpec` once `parse_init` checked them; `tensors`: the canonical
     tensor table ``[[name, dtype, shape], ...]``; `committed_version`: the version the weights
-    hold now; `dense_path`: a canonical checkpoint of that version to dense-load first; `key`:
+    hold now; `dense_path`: a canonical checkpoint of that version to dense-load first (a
+    directory, or a replica's checkpoint URL, downloaded first: shared_codec/replica); `key`:
     hex of the payload authentication key (else the receiver's, ``DCR_PAYLOAD_KEY``: config.py);
     `digest`: report the weights' digest after init."""
 
@@ -155,7 +157,7 @@ def parse_init(d: Any) -> DCRInitInfo:
         info.source = transport_spec(info.source, "source", Role.SOURCE)
         tensor_specs(info.tensors)
         info.committed_version = integer(info.committed_version, "committed_version")
-        if info.dense_path is not None:
+        if info.dense_path is not None and not is_checkpoint_url(info.dense_path):
             info.dense_path = checkpoint(info.dense_path, "dense_path")
         if info.key is not None:
             payload_key(info.key, "key")
@@ -281,10 +283,10 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
                 if stale is not None:
                     receiver.abort(stale[1])
             out: dict[str, Any] = {}
-            if init_info.dense_path is not None:
-                out["dense_load"] = receiver.dense_load(
-                    init_info.dense_path, init_info.committed_version
-                )
+            if init_info.dense_path is not None:  # a replica's URL is downloaded first
+                with local_checkpoint(init_info.dense_path) as local:
+                    receiver.check_checkpoint(checkpoint(local, "dense_path"), "dense_path")
+                    out["dense_load"] = receiver.dense_load(local, init_info.committed_version)
             out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
             if init_info.key is not None:  # only an init that succeeded changes the key
                 receiver.staging.key = bytes.fromhex(init_info.key)

@@ -1,7 +1,8 @@
 """Shared by the replica store's unit and kill tests: a real sharded safetensors checkpoint (the
 tiny qwen3 fixture, split over two files with an index, norms in float32), a lineage of policy
 versions changed at the bit level (NaN payloads, signed zeros included), and real payloads
-encoded by the codec's own encoder from the differences, over two owners."""
+encoded by the codec's own encoder from the differences, over two owners; `LineageOwners`, a
+TEST DOUBLE of the owner service publishing them through real sinks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +20,9 @@ from shared_codec.checkpoint import bits_equal, load_checkpoint
 from shared_codec.dtypes import tensor_bits
 from shared_codec.format import PayloadMeta
 from shared_codec.records import DeltaItem, Kind, apply_items, diff_checkpoints
+from shared_codec.transport.base import Seal
+from shared_codec.transport.spec import open_sink
+from shared_codec.transport.store import DirectoryStore
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 #: small buckets, so every version is several payloads per owner
@@ -144,3 +149,43 @@ def tensor_files(directory: Path) -> dict[str, str]:
     from shared_codec.replica.layout import read_layout
 
     return {name: loc.file for name, loc in read_layout(directory).items()}
+
+
+class LineageOwners:
+    """TEST DOUBLE of the owner service: attempt a of version v publishes lineage[v-1] ->
+    lineage[v] from two owners (XOR on attempt 0, overwrites on a retry) and seals it.
+    `drop`: attempts whose last payload is sent but left out of what reaches the store (lost
+    in transport: the seal names it, the object is missing)."""
+
+    def __init__(self, lineage: list[dict[str, torch.Tensor]], spec: dict[str, Any]) -> None:
+        self.lineage, self.spec = lineage, spec
+        self.drop: set[tuple[int, int]] = set()
+        self.calls: list[tuple[str, int]] = []
+
+    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
+        items = items_between(
+            self.lineage[version - 1], self.lineage[version], "overwrite" if retry else "xor"
+        )
+        ids: list[str] = []
+        store = DirectoryStore(self.spec["root"])
+        for owner in (0, 1):
+            mine = [it for it in items if it.owner == owner]
+            with open_sink(self.spec, version=version, attempt=attempt, owner=owner) as sink:
+                for p in encode(mine, version, attempt):
+                    sink.send(p)
+                ids += sink.finish().payload_ids
+        if (version, attempt) in self.drop:
+            lost = [k for k in store.list(f"v{version:012d}/a{attempt:06d}/") if "dcrp" in k]
+            store.delete(sorted(lost)[-1])
+        with open_sink(self.spec, version=version, attempt=attempt) as sink:
+            sink.seal(Seal(base_version=version - 1, owners=(0, 1), payload_ids=tuple(ids)))
+        return {"baseline_id": f"lineage-v{version - 1}", "payloads": len(ids)}
+
+    def verify(self, version: int) -> None:
+        pass
+
+    def commit(self, version: int) -> None:
+        self.calls.append(("commit", version))
+
+    def abort(self, version: int, attempt: int) -> None:
+        self.calls.append(("abort", version))

@@ -23,13 +23,10 @@ from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.errors import ArgumentError, ReplicaError
 from shared_codec.replica import ReplicaStore
 from shared_codec.replica.receiver import ReplicaReceiver
-from shared_codec.transport.base import Seal
-from shared_codec.transport.spec import open_sink
 from shared_codec.transport.store import DirectoryStore
 from tests.unit.shared_codec.replica_cases import (
-    encode,
+    LineageOwners,
     evolve,
-    items_between,
     same_bits,
     write_checkpoint,
 )
@@ -50,46 +47,6 @@ def lineage(initial) -> list[dict[str, torch.Tensor]]:
 
 def digest_of(tensors: dict[str, torch.Tensor]) -> str:
     return combined_digest(state_digests(tensors))
-
-
-class LineageOwners:
-    """TEST DOUBLE of the owner service: attempt a of version v publishes lineage[v-1] ->
-    lineage[v] from two owners (XOR on attempt 0, overwrites on a retry) and seals it.
-    `drop`: attempts whose last payload is sent but left out of what reaches the store (lost
-    in transport: the seal names it, the object is missing)."""
-
-    def __init__(self, lineage: list[dict[str, torch.Tensor]], spec: dict[str, Any]) -> None:
-        self.lineage, self.spec = lineage, spec
-        self.drop: set[tuple[int, int]] = set()
-        self.calls: list[tuple[str, int]] = []
-
-    def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
-        items = items_between(
-            self.lineage[version - 1], self.lineage[version], "overwrite" if retry else "xor"
-        )
-        ids: list[str] = []
-        store = DirectoryStore(self.spec["root"])
-        for owner in (0, 1):
-            mine = [it for it in items if it.owner == owner]
-            with open_sink(self.spec, version=version, attempt=attempt, owner=owner) as sink:
-                for p in encode(mine, version, attempt):
-                    sink.send(p)
-                ids += sink.finish().payload_ids
-        if (version, attempt) in self.drop:
-            lost = [k for k in store.list(f"v{version:012d}/a{attempt:06d}/") if "dcrp" in k]
-            store.delete(sorted(lost)[-1])
-        with open_sink(self.spec, version=version, attempt=attempt) as sink:
-            sink.seal(Seal(base_version=version - 1, owners=(0, 1), payload_ids=tuple(ids)))
-        return {"baseline_id": f"lineage-v{version - 1}", "payloads": len(ids)}
-
-    def verify(self, version: int) -> None:
-        pass
-
-    def commit(self, version: int) -> None:
-        self.calls.append(("commit", version))
-
-    def abort(self, version: int, attempt: int) -> None:
-        self.calls.append(("abort", version))
 
 
 class LoadingEngine:
