@@ -23,9 +23,17 @@ mapping DCR's joint commit onto vLLM's four phases (docs/protocol.md, "Native we
 - ``finish_weight_update(weight_version)``: the workers read the commit record: they commit when
   it names their attempt (vLLM then stamps ``weight_version``), and fence the attempt otherwise.
 
-Multi-rank trainers: `trainer_init` and `send_weights` may run on every rank; rank 0 drives
-everything and the other ranks return at once (the owners' collective work runs in the owner
-service, which every trainer rank serves).
+Membership (between transitions, rank 0): ``add_engine(name, client)`` builds the engine's
+handle as `trainer_init` builds its clients' and joins it through the coordinator
+(`Coordinator.join`): a dense load of the committed version from `checkpoint_for` (needed: an
+engine joining without it is refused before it is called), a prewarm, the next version's reserved
+attempts fenced; it receives every transition from the next one on. ``remove_engine(name)``
+takes one out (`Coordinator.leave`: it keeps the weights it holds, nothing more is sent to it).
+Each commit record's ``receivers`` lists that version's members.
+
+Multi-rank trainers: `trainer_init`, `send_weights`, `add_engine` and `remove_engine` may run on
+every rank; rank 0 drives everything and the other ranks return at once (the owners' collective
+work runs in the owner service, which every trainer rank serves).
 
 Limitations:
 1. vLLM's clients return nothing and raise on HTTP errors only; results come back as reports in
@@ -38,6 +46,7 @@ Limitations:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
@@ -48,13 +57,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
+from shared_codec.coordination.commit import CommitRecord
 from shared_codec.coordination.coordinator import (
     Coordinator,
     CoordinatorConfig,
+    Engine,
     Owners,
     RefitResult,
 )
 from shared_codec.coordination.owners import RemoteOwners
+from shared_codec.transport.base import ObjectStore
 from shared_codec.transport.spec import Role, TransportSpec
 from vllm_dcr_plugin.arguments import arguments, integer, seconds
 from vllm_dcr_plugin.staging import tensor_specs
@@ -72,11 +84,14 @@ class DCRTrainerInitInfo(TrainerInitInfo):
     `source`: where the workers fetch them (default: `transport` when it is a store; a relay
     node's ``{"kind": "spool", ...}`` for a relay tree); `owners`: the owner service's ZeroMQ
     endpoint (or any `Owners` object); `tensors`: the canonical tensor table
-    ``[[name, dtype, shape], ...]``; `checkpoint_for`: a path template with ``{version}`` naming
-    a canonical checkpoint of each committed version (dense loads when an engine joins or is
-    restored; without it a failed engine cannot be restored); `dense_load_at_init`: dense-load
-    the committed version at init. The rest configures the coordinator
-    (`CoordinatorConfig`) and the updates (`pipelined`, `verify`)."""
+    ``[[name, dtype, shape], ...]``; `checkpoint_for`: a canonical checkpoint of each committed
+    version, for dense loads when an engine joins (`add_engine`) or is restored (without it a
+    failed engine cannot be restored and none can join): a path template with ``{version}``,
+    or a callable version -> path, or version -> context manager yielding the path and holding
+    it while the engines load it (the rollout cluster's replica:
+    `ReplicaReceiver.checkpoints()`); `dense_load_at_init`: dense-load the committed version at
+    init. The rest configures the coordinator (`CoordinatorConfig`) and the updates
+    (`pipelined`, `verify`)."""
 
     backend: ClassVar[str] = "dcr"
 
@@ -85,7 +100,7 @@ class DCRTrainerInitInfo(TrainerInitInfo):
     owners: str | Owners = ""
     tensors: list = field(default_factory=list)
     source: dict[str, Any] | None = None
-    checkpoint_for: str | None = None
+    checkpoint_for: str | Callable[[int], Any] | None = None
     dense_load_at_init: bool = False
     engine_names: list[str] | None = None
     max_attempts: int = 3
@@ -117,9 +132,12 @@ def _checked(
             raise ValueError("owners must name the owner service's endpoint")
         if not tensor_specs(info.tensors):
             raise ValueError("tensors must list the canonical tensors, got an empty table")
-        if info.checkpoint_for is not None:
+        if info.checkpoint_for is not None and not callable(info.checkpoint_for):
             if not isinstance(info.checkpoint_for, str) or "{version}" not in info.checkpoint_for:
-                raise ValueError("checkpoint_for must be a path template with '{version}'")
+                raise ValueError(
+                    "checkpoint_for must be a path template with '{version}' or a callable "
+                    "(version -> path, or -> a context manager yielding the path)"
+                )
             try:
                 info.checkpoint_for.format(version=0)
             except (IndexError, KeyError, ValueError) as e:
@@ -152,6 +170,51 @@ def _checked(
     return control, transport, source, clients
 
 
+def _checkpoints(given: str | Callable[[int], Any] | None) -> Callable[[int], Any] | None:
+    """`DCRTrainerInitInfo.checkpoint_for` (checked) as the handles take it: version -> path,
+    or -> a context manager yielding the path (`EngineHandle.restore` holds it while loading)."""
+    if given is None or callable(given):
+        return given
+    template = given
+
+    def checkpoint_for(version: int) -> str:
+        return template.format(version=version)
+
+    return checkpoint_for
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _EngineBuilder:
+    """How `trainer_init` builds each engine's handle, kept for `add_engine`: every engine of
+    one trainer engine shares the control store, the payload source, the tensor table, the
+    checkpoints and the update settings."""
+
+    control: ObjectStore
+    control_spec: TransportSpec
+    source: TransportSpec
+    tensors: list
+    checkpoint_for: Callable[[int], Any] | None
+    launcher: Callable[[str], VLLMWeightSyncClient] | None
+    pipelined: bool
+    verify: bool
+    digests: bool
+
+    def __call__(self, name: str, client: VLLMWeightSyncClient) -> NativeEngine:
+        return NativeEngine(
+            name,
+            client,
+            control=self.control,
+            control_spec=self.control_spec,
+            source=self.source,
+            tensors=self.tensors,
+            checkpoint_for=self.checkpoint_for,
+            launcher=self.launcher,
+            pipelined=self.pipelined,
+            verify=self.verify,
+            digests=self.digests,
+        )
+
+
 class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitInfo]):
     """Trainer engine of backend ``dcr`` (see the module docstring)."""
 
@@ -164,9 +227,11 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         source: WeightSource | None = None,
         is_sender: bool = True,
         coordinator: Coordinator | None = None,
+        builder: _EngineBuilder | None = None,
     ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.coordinator = coordinator
+        self.builder = builder  # trainer_init's, for add_engine
         self.last_result: RefitResult | None = None
 
     @classmethod
@@ -186,28 +251,18 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         info = init_info
         control_spec, transport, fetch_from, clients = _checked(info, client)
         control = control_spec.open_store()
-        template = info.checkpoint_for
-
-        def checkpoint_for(version: int) -> str:
-            assert template is not None
-            return template.format(version=version)
-
-        engines = [
-            NativeEngine(
-                name,
-                c,
-                control=control,
-                control_spec=control_spec,
-                source=fetch_from,
-                tensors=info.tensors,
-                checkpoint_for=checkpoint_for if template else None,
-                launcher=info.launcher,
-                pipelined=info.pipelined,
-                verify=info.verify,
-                digests=info.record_digests,
-            )
-            for name, c in clients.items()
-        ]
+        build = _EngineBuilder(
+            control=control,
+            control_spec=control_spec,
+            source=fetch_from,
+            tensors=info.tensors,
+            checkpoint_for=_checkpoints(info.checkpoint_for),
+            launcher=info.launcher,
+            pipelined=info.pipelined,
+            verify=info.verify,
+            digests=info.record_digests,
+        )
+        engines = [build(name, c) for name, c in clients.items()]
         owners = RemoteOwners(info.owners) if isinstance(info.owners, str) else info.owners
         coordinator = Coordinator(
             control,
@@ -223,14 +278,20 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         )
         current = coordinator.commits.current()
         version = 0 if current is None else current.version
-        dense = checkpoint_for(version) if info.dense_load_at_init and template else None
-        for e in engines:
-            e.initialize(version, dense)
+        got = None
+        if info.dense_load_at_init and build.checkpoint_for is not None:
+            got = build.checkpoint_for(version)
+        held = got if isinstance(got, AbstractContextManager) else nullcontext(got)
+        with held as dense:  # a replica's lease holds the version's files while they load
+            for e in engines:
+                e.initialize(version, None if dense is None else str(dense))
         if current is None:
             coordinator.initialize()
         else:
             coordinator.resume()
-        return cls(client=client, source=source, is_sender=True, coordinator=coordinator)
+        return cls(
+            client=client, source=source, is_sender=True, coordinator=coordinator, builder=build
+        )
 
     # vLLM's base returns None; returning the result as well is harmless to its callers
     def send_weights(self, version: int | None = None) -> RefitResult | None:  # type: ignore[override]
@@ -255,6 +316,61 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
                     )
         self.last_result = self.coordinator.refit(version)
         return self.last_result
+
+    # -- membership (between transitions) ------------------------------------------------------
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The engines the next `send_weights` refits (rank 0; other ranks: ())."""
+        return () if self.coordinator is None else self.coordinator.members
+
+    def add_engine(self, name: str, client: VLLMWeightSyncClient) -> CommitRecord | None:
+        """Rank 0, between transitions: build engine `name`'s handle over `client` as
+        `trainer_init` builds its clients' and join it (`Coordinator.join`): a dense load of
+        the committed version from ``checkpoint_for`` and a prewarm (vLLM's
+        ``init_weight_transfer_engine``), then the next version's reserved attempts fenced; the
+        next `send_weights` includes it. Returns the commit record of the version it holds.
+        Raises `ProtocolError` (``add_engine: bad arguments: ...``) before the engine is called
+        for a bad name, a name already a member, or a trainer engine without
+        ``checkpoint_for``; a failed restore raises the engine's error and changes nothing.
+        Other ranks: nothing, None."""
+        if not self.is_sender:
+            return None
+        assert self.coordinator is not None
+        with arguments("add_engine"):
+            _name(name, "engine name")
+            if client is None or isinstance(client, Mapping):
+                raise TypeError("client must be one VLLMWeightSyncClient (one engine per call)")
+            if self.builder is None:
+                raise ValueError("engine: only a trainer engine made by trainer_init adds engines")
+            if self.builder.checkpoint_for is None:
+                raise ValueError(
+                    "checkpoint_for: a joining engine is restored by a dense load of the "
+                    "committed version; give DCRTrainerInitInfo.checkpoint_for"
+                )
+            if name in self.coordinator.members:
+                raise ValueError(
+                    f"engine name {name!r} is already a member "
+                    f"(members: {list(self.coordinator.members)})"
+                )
+        return self.coordinator.join(self.builder(name, client))
+
+    def remove_engine(self, name: str) -> Engine | None:
+        """Rank 0, between transitions: take engine `name` out of the membership
+        (`Coordinator.leave`: it keeps the weights it holds and is sent nothing more; the next
+        commit record does not list it). Returns its handle. Raises `ProtocolError`
+        (``remove_engine: bad arguments: ...``) for a name that is not a member. Other ranks:
+        nothing, None."""
+        if not self.is_sender:
+            return None
+        assert self.coordinator is not None
+        with arguments("remove_engine"):
+            _name(name, "engine name")
+            if name not in self.coordinator.members:
+                raise ValueError(
+                    f"engine name {name!r} is not a member "
+                    f"(members: {list(self.coordinator.members)})"
+                )
+        return self.coordinator.leave(name)
 
     def shutdown(self) -> None:
         owners = getattr(self.coordinator, "owners", None)

@@ -188,7 +188,7 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
         "bad-field": ({"colour": "red"}, "colour"),
         "bad-key": ({"key": "not hex"}, "key must be hex"),
         "bad-dense": ({"dense_path": str(tmp_path)}, "dense_path: no *.safetensors"),
-        "other-model": ({"dense_path": str(other)}, f"dense-load path: tensor {embed}"),
+        "other-model": ({"dense_path": str(other)}, f"dense_path: tensor {embed}"),
     }
     for session, (change, reason) in bad_inits.items():
         client.init_weight_transfer_engine({**good, "session": session, **change})
@@ -207,6 +207,26 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
     assert dense_checksums(server, engine, 1) == after_v1
     assert dense_checksums(server, engine, 2) == after_v2
     assert dense_checksums(server, engine, 3) == after_v3
+
+    # membership: engine0 leaves; v4 commits without it (sent nothing, it keeps v3)
+    client = native.client
+    assert engine.remove_engine("engine0") is native and engine.members == ()
+    res = engine.send_weights()
+    assert res.version == 4 and res.record.receivers == () and res.record.digests == {}
+    assert server.weight_version() == "3" and server.checksums() == after_v3
+    # it joins again: a dense load of committed v4 from checkpoint_for, stamped as its version
+    record = engine.add_engine("engine0", client)
+    assert record.version == 4 and engine.members == ("engine0",)
+    assert server.weight_version() == "4"
+    joined_v4, joined_digest = server.checksums(), engine.coordinator.engines[0].digest()
+    res = engine.send_weights()  # the next version lists it again and refits it by a delta
+    assert res.version == 5 and res.retries == 0 and res.record.receivers == ("engine0",)
+    assert server.weight_version() == "5"
+    after_v5 = server.checksums()
+    assert dense_checksums(server, engine, 4) == joined_v4
+    assert engine.coordinator.engines[0].digest() == joined_digest
+    assert dense_checksums(server, engine, 5) == after_v5
+    assert engine.coordinator.engines[0].digest() == res.record.digests["engine0"]
 
 
 def _generate(server: Server, max_tokens: int, started: threading.Event | None, out: list) -> None:
