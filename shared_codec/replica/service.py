@@ -13,7 +13,7 @@ status 400 for a refused request, 404 for an unknown lease or file, 500 otherwis
 | ``POST /replica/abort`` | ``{"attempt"}`` | ``{"ok": true}`` |
 | ``POST /replica/restore`` | ``{"version"}`` | ``{"ok": true}`` |
 | ``GET /replica/digest`` | | ``{"digest"}`` |
-| ``GET /replica/status`` | | ``ReplicaStatus.to_json`` |
+| ``GET /replica/status`` | | ``ReplicaStatus.to_json`` and ``served``: leases, bytes |
 | ``POST /replica/leases`` | ``{"version", "ttl_s"}`` | ``{"lease", "version", "files": [{"path", "size"}]}`` |
 | ``GET /replica/leases/<id>/files/<path>`` | header ``Range: bytes=a-b`` | the bytes (206 with a range) |
 | ``DELETE /replica/leases/<id>`` | | ``{"ok": true}`` |
@@ -70,6 +70,8 @@ class ReplicaService:
         self.receiver = receiver
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
+        #: what restores and joins read: leases opened, file bytes sent
+        self.served = {"leases": 0, "bytes": 0}
         service = self
 
         class Handler(_Handler):
@@ -120,6 +122,7 @@ class ReplicaService:
             raise
         lease_id = uuid.uuid4().hex
         with self._lock:
+            self.served["leases"] += 1
             self._leases[lease_id] = _Lease(
                 version=version, path=path, files=files, stack=stack,
                 expires=time.monotonic() + ttl_s, ttl_s=float(ttl_s),
@@ -243,7 +246,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/replica/digest":
             self._json(HTTPStatus.OK, {"digest": rx.digest()})
         elif self.path == "/replica/status":
-            self._json(HTTPStatus.OK, rx.status().to_json())
+            with self.owner._lock:
+                served = dict(self.owner.served)
+            self._json(HTTPStatus.OK, {**rx.status().to_json(), "served": served})
         elif m := re.fullmatch(r"/replica/leases/([0-9a-f]{32})/files/(.+)", self.path):
             self._file(m.group(1), unquote(m.group(2)))
         else:
@@ -274,6 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
                     raise ReplicaError(f"{rel}: shorter than {size} bytes")
                 self.wfile.write(chunk)
                 left -= len(chunk)
+        with self.owner._lock:
+            self.owner.served["bytes"] += end - start
 
 
 def _seconds(v: Any) -> float:

@@ -1,13 +1,19 @@
 """A real refit cluster on loopback for coordinator tests: a 2-rank Megatron trainer job (TP=2,
 gloo) serving the DCR owner service, `vllm serve` receivers with the DCR worker extension, and
-one directory store holding payloads, manifests, attempt and commit records."""
+one directory store holding payloads, manifests, attempt and commit records. With
+``replica=True`` the rollout cluster also keeps the canonical replica (shared_codec/replica),
+bootstrapped from the initial checkpoint the engines serve: it is a required receiver of every
+transition and the engines restore from it (its lease); the trainer's exports are then only
+the test's oracle."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dcr_tools import faults
 from dcr_tools.procs import ServeProcess, base_env, free_port, kill_group, start_rl_job
@@ -15,12 +21,18 @@ from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
+from shared_codec.replica import ReplicaStore
+from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.store import DirectoryStore
 
 
 class Cluster:
-    def __init__(self, ckpt: Path, tmp: Path, receivers: int = 2) -> None:
+    def __init__(self, ckpt: Path, tmp: Path, receivers: int = 2, replica: bool = False) -> None:
         self.ckpt, self.tmp = ckpt, tmp
+        self.replica: ReplicaReceiver | None = None
+        if replica:
+            with ReplicaStore(tmp / "replica") as store:
+                store.bootstrap(ckpt)  # the rollout cluster's own copy, never the trainer's
         self.store_spec = {"kind": "dir", "root": str(tmp / "store")}
         self.store = DirectoryStore(tmp / "store")
         self.ckpts = tmp / "ckpts"
@@ -65,12 +77,16 @@ class Cluster:
         self.owners.call("status", timeout_s=300)  # the trainer job is up
         self.owners.call("export", path=self.checkpoint_for(0))
         table = tensor_table(self.checkpoint_for(0))
+        restore_from: Callable[[int], Any] = self.checkpoint_for
+        if (self.tmp / "replica").is_dir():
+            self.replica = ReplicaReceiver(self.tmp / "replica", self.store_spec)
+            restore_from = self.replica.checkpoints()
         self.receivers = [
             HttpEngine(
                 f"engine{i}",
                 url,
                 store=self.store_spec,
-                checkpoint_for=self.checkpoint_for,
+                checkpoint_for=restore_from,
                 tensors=table,
                 launcher=self.servers[i].start,
                 verify=True,
@@ -78,14 +94,19 @@ class Cluster:
             for i, url in enumerate(urls)
         ]
         for r in self.receivers:
-            r.restore(0)  # dense load of the v0 export + prewarm: every receiver clean at v0
+            r.restore(0)  # dense load of v0 (replica or export) + prewarm: clean at v0
+
+    @property
+    def members(self) -> list[Any]:
+        """The coordinator's receivers: the replica (when kept) first, then the engines."""
+        return ([self.replica] if self.replica is not None else []) + list(self.receivers)
 
     def coordinator(self, **config: float) -> Coordinator:
         assert self.owners is not None
         return Coordinator(
             self.store,
             self.owners,
-            self.receivers,  # type: ignore[arg-type]
+            self.members,
             CoordinatorConfig(**config),  # type: ignore[arg-type]
             log=lambda m: print(f"[coordinator] {m}", flush=True),
             transport=self.store_spec,  # pipelined: receivers fetch + apply during the build
@@ -112,3 +133,5 @@ class Cluster:
             kill_group(self.trainer)
         for s in self.servers:
             s.stop()
+        if self.replica is not None:
+            self.replica.close()

@@ -7,8 +7,11 @@ new one that resumes without a double commit; a payload lost in transport fails 
 late payloads of the failed attempt are refused and duplicates apply once; owners failing while
 pipelined receivers wait make the coordinator abandon the attempt; the request gate refuses an
 apply while a generation runs; an optimizer step between build and commit is refused by the
-candidate guard (nothing committed, engines restored). Every committed
-version is checked bit for bit against a dense load of the trainer's export of that version."""
+candidate guard (nothing committed, engines restored); an engine leaves and joins again between
+transitions; an engine is restarted while the trainer job is down. The main test keeps the
+rollout cluster's canonical replica as a required receiver, and engines restore from it. Every
+committed version is checked bit for bit against a dense load of the trainer's export of that
+version (the export is only the oracle), and the replica's checkpoint against the export."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any
 import pytest
 
 from dcr_tools.procs import PYTHON
+from shared_codec.checkpoint import combined_digest, load_checkpoint, state_digests
 from shared_codec.coordination.coordinator import Coordinator
 from shared_codec.errors import DCRError, RefitFailed
 from tests.integration._cluster import Cluster
@@ -124,6 +128,10 @@ def _check_exact(cluster: Cluster, version: int) -> None:
     refit = [r.digest() for r in cluster.receivers]
     assert len(set(refit)) == 1, refit
     cluster.owners.call("export", path=cluster.checkpoint_for(version))
+    if cluster.replica is not None:  # the replica's canonical checkpoint: the export's bits
+        assert cluster.replica.committed_version() == version
+        oracle = load_checkpoint(cluster.checkpoint_for(version))
+        assert cluster.replica.digest() == combined_digest(state_digests(oracle))
     # dense reference on the last receiver, after the refit digests were taken
     assert cluster.dense_digest(version, receiver=len(cluster.receivers) - 1) == refit[0]
 
@@ -132,12 +140,16 @@ def _check_exact(cluster: Cluster, version: int) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) -> None:
-    cluster = Cluster(tiny_models["qwen3"], tmp_path)
+    cluster = Cluster(tiny_models["qwen3"], tmp_path, replica=True)
     try:
         cluster.start()
         coord = cluster.coordinator(ack_timeout_s=240)
         rec0 = coord.initialize("export-v0")
-        assert rec0.version == 0 and len(set(rec0.digests.values())) == 1
+        assert rec0.version == 0 and rec0.receivers == ("replica", *NAMES)
+        assert rec0.digests["engine0"] == rec0.digests["engine1"]
+        # the replica, bootstrapped from the engines' initial checkpoint: the trainer's v0
+        initial = combined_digest(state_digests(load_checkpoint(cluster.checkpoint_for(0))))
+        assert rec0.digests["replica"] == initial
 
         # 1. a clean refit: one attempt, XOR + overwrite payloads, committed
         cluster.owners.call("train", step=1)
@@ -147,8 +159,11 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         assert all(a["ok"] for a in res.attempts[0].acks.values())
         # pipelined: each engine applied the payloads as they arrived (what has arrived together,
         # so the number of passes depends on timing: at least one)
-        acks = list(res.attempts[0].acks.values())
+        acks = [res.attempts[0].acks[n] for n in NAMES]
         assert all(a["pipelined"] and a["ranks"][0]["pipelined_parts"] >= 1 for a in acks), acks
+        # the replica staged the whole sealed set before its ACK (durable, not yet visible)
+        replica_ack = res.attempts[0].acks["replica"]
+        assert replica_ack.payloads == acks[0].payloads and replica_ack.elements_written > 0
         assert coord.committed_version() == 1
         _check_exact(cluster, 1)  # leaves engine1 dense-loaded at v1: still clean at v1
         # the endpoint plugin (VLLM_PLUGINS=dcr): the engine's status and metrics over HTTP
@@ -218,7 +233,7 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         # retry's payloads delivered twice are staged once and applied once
         cluster.owners.call("train", step=4)
         lossy = LossyOwners(cluster)
-        res = Coordinator(cluster.store, lossy, cluster.receivers, fresh.config).refit()
+        res = Coordinator(cluster.store, lossy, cluster.members, fresh.config).refit()
         assert lossy.dropped and all("is missing" in res.attempts[0].failed[r] for r in NAMES)
         assert all("fenced" in lossy.late[r] for r in NAMES), lossy.late
         assert all(d["duplicates"] == d["payloads"] > 0 for d in lossy.duplicates), lossy.duplicates
@@ -231,7 +246,7 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         cluster.owners.call("train", step=5)
         failing = FailingOwners(cluster.owners)
         coord5 = Coordinator(
-            cluster.store, failing, cluster.receivers, fresh.config, transport=cluster.store_spec
+            cluster.store, failing, cluster.members, fresh.config, transport=cluster.store_spec
         )
         res = coord5.refit()
         first = res.attempts[0]
@@ -249,7 +264,7 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         coord6 = Coordinator(
             cluster.store,
             SteppingOwners(cluster.owners),
-            cluster.receivers,
+            cluster.members,
             fresh.config,
             transport=cluster.store_spec,
         )
@@ -283,6 +298,31 @@ def test_coordinator_commits_retries_and_resumes(tiny_models, tmp_path: Path) ->
         report = json.loads(now.stdout)
         assert now.returncode == 1 and report["receivers"][urls[0]]["matches_commit_record"]
         assert not report["receivers"][urls[1]]["matches_commit_record"]
+
+        # 7. membership: engine1 (holding v5) leaves; v7 commits with the replica and engine0;
+        # engine1 joins again, restored from the replica's v7 (not from a trainer export): its
+        # weights equal engine0's delta-refit ones; v8 includes it, bit-exact
+        engine0, engine1 = cluster.receivers
+        assert coord6.leave("engine1") is engine1
+        cluster.owners.call("train", step=7)
+        res = coord6.refit()
+        assert res.record.version == 7 and res.record.receivers == ("replica", "engine0")
+        assert res.record.digests["engine0"] == engine0.digest()
+        coord6.join(engine1)
+        assert engine1.digest() == engine0.digest()
+        assert coord6.members == ("replica", "engine0", "engine1")
+        cluster.owners.call("train", step=8)
+        res = coord6.refit()
+        assert res.record.receivers == ("replica", "engine0", "engine1")
+        _check_exact(cluster, 8)
+
+        # 8. restore while the trainer job is down: engine0's server is killed and restarted,
+        # and dense-loads the committed v8 from the replica
+        cluster.owners.stop(timeout_s=60)
+        assert cluster.trainer is not None and cluster.trainer.wait(120) is not None
+        cluster.servers[0].stop()
+        engine0.restore(8)
+        assert engine0.digest() == engine1.digest()
     finally:
         cluster.stop()
 

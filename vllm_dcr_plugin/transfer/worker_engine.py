@@ -285,7 +285,6 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             out: dict[str, Any] = {}
             if init_info.dense_path is not None:  # a replica's URL is downloaded first
                 with local_checkpoint(init_info.dense_path) as local:
-                    receiver.check_checkpoint(checkpoint(local, "dense_path"), "dense_path")
                     out["dense_load"] = receiver.dense_load(local, init_info.committed_version)
             out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
             if init_info.key is not None:  # only an init that succeeded changes the key

@@ -188,7 +188,7 @@ def test_native_refits_commit_retry_and_refuse_bad_updates(server: Server, tmp_p
         "bad-field": ({"colour": "red"}, "colour"),
         "bad-key": ({"key": "not hex"}, "key must be hex"),
         "bad-dense": ({"dense_path": str(tmp_path)}, "dense_path: no *.safetensors"),
-        "other-model": ({"dense_path": str(other)}, f"dense_path: tensor {embed}"),
+        "other-model": ({"dense_path": str(other)}, f"dense-load path: tensor {embed}"),
     }
     for session, (change, reason) in bad_inits.items():
         client.init_weight_transfer_engine({**good, "session": session, **change})

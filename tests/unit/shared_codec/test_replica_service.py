@@ -104,6 +104,8 @@ def test_coordinator_drives_the_replica_over_http(served, lineage, initial, tmp_
     got = download(handle.checkpoint_for(2), tmp_path / "dl", chunk_bytes=1000, threads=3)
     assert same_bits(load_checkpoint(got), lineage[2]) == []
     assert other_files(got) == other_files(initial)
+    size = sum(f.stat().st_size for f in got.rglob("*") if f.is_file())
+    assert handle.status()["served"] == {"leases": 1, "bytes": size}
     # a URL dense-load path: downloaded into a temporary directory, removed afterwards
     with local_checkpoint(handle.checkpoint_for(1)) as path:
         assert same_bits(load_checkpoint(path), lineage[1]) == []
