@@ -5,10 +5,11 @@
   holding another one is refused).
 - ``dcr replica status ROOT [--json]``: what ``STATE.json`` records (committed version and
   slot, what each slot holds), read without the writer lock, so also while a replica runs.
-- ``dcr replica serve ROOT --source SPEC [--host H] [--port P] [--key HEX]``: the replica's
-  HTTP service (shared_codec/replica/service.py): a required receiver of every transition
-  for a coordinator's `HttpReplica`, and the committed checkpoints with range reads for
-  restores and joins. Prints ``{"url", "root"}`` as one JSON line once it listens.
+- ``dcr replica serve ROOT --source SPEC [--fanout RELAY] [--host H] [--port P] [--key HEX]``:
+  the replica's HTTP service (shared_codec/replica/service.py): a required receiver of every
+  transition for a coordinator's `HttpReplica`, and the committed checkpoints with range reads
+  for restores and joins; with ``--fanout`` also the cluster's one fetcher (fanout.py). Prints
+  ``{"url", "root"}`` as one JSON line once it listens.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def build_parser(p: argparse.ArgumentParser) -> None:
     v.add_argument("--port", type=int, default=0, help="port (default: any free one)")
     v.add_argument("--key", default="", help="hex payload secret for keyed payloads")
     v.add_argument("--name", default="replica", help="its name in commit records")
+    v.add_argument(
+        "--fanout", default="",
+        help="relay tree root spec (JSON, kind relay): forward every payload read from the "
+        "source down the cluster's tree (read once per cluster)",
+    )  # fmt: skip
     v.add_argument(
         "--lease-timeout", type=float, default=30.0,
         help="seconds a stage waits for readers of the slot it must write",
@@ -111,7 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         receiver = ReplicaReceiver(
             args.root, args.source, name=args.name,
             key=bytes.fromhex(args.key) if args.key else None,
-            lease_timeout_s=args.lease_timeout,
+            lease_timeout_s=args.lease_timeout, fanout=args.fanout or None,
         )  # fmt: skip
     except (DCRError, ValueError, TypeError) as e:
         print(f"dcr replica serve: {type(e).__name__}: {e}", file=sys.stderr)

@@ -17,6 +17,11 @@ which recovers whatever a crash left, and commits `v` when it is staged (the coo
 between its compare-and-set and telling the replica); a replica whose committed version is
 not `v` afterwards is refused: nothing but a bootstrap or a catch-up may move it.
 
+With `fanout` (the rollout cluster's relay tree root), the replica is also the cluster's one
+fetcher in object-storage mode: it streams each attempt from the store once and forwards every
+payload down the tree as it arrives, whose nodes spool it for their engines (fanout.py); after
+each commit it tells the tree to forget what engines no longer need (`keep_versions`).
+
 `checkpoint_for(v)` is a lease on `v`'s slot: ``with replica.checkpoint_for(v) as path:`` (a
 restore or join of an engine on this host dense-loads `path`); the digest of a version is the
 store's (`checkpoint.combined_digest` of the canonical tensors).
@@ -28,6 +33,7 @@ Limitations:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -38,9 +44,12 @@ from typing import Any
 
 from shared_codec.coordination.protocol import EngineAck, RankAck
 from shared_codec.errors import ProtocolError, ReplicaError
+from shared_codec.replica.fanout import relay_attempt
 from shared_codec.replica.state import ReplicaStatus
 from shared_codec.replica.store import ReplicaStore
 from shared_codec.transport.spec import Role, TransportSpec
+
+log = logging.getLogger("dcr.replica")
 
 
 class ReplicaReceiver:
@@ -60,10 +69,23 @@ class ReplicaReceiver:
         name: str = "replica",
         key: bytes | None = None,
         lease_timeout_s: float = 30.0,
+        fanout: TransportSpec | Mapping[str, Any] | str | None = None,
+        keep_versions: int = 2,
     ) -> None:
         self.name = name
         self.root = Path(root).resolve()
         self.source = TransportSpec.parse(source, role=Role.SOURCE, what="replica source")
+        self.fanout = None
+        if fanout is not None:
+            self.fanout = TransportSpec.parse(fanout, role=Role.SINK, what="replica fanout")
+            if self.fanout.kind != "relay":
+                raise ValueError(
+                    f"replica fanout must be the cluster's relay tree (kind 'relay'), got "
+                    f"{self.fanout.kind!r}"
+                )
+        self.keep_versions = keep_versions
+        #: bytes read from the payload source (the cluster boundary in object-storage mode)
+        self.bytes_in = 0
         self.key = key
         self.lease_timeout_s = lease_timeout_s
         self._lock = threading.Lock()
@@ -116,11 +138,16 @@ class ReplicaReceiver:
         if attempt in self._fenced:
             return self._failed(version, attempt, f"attempt {attempt} is fenced (aborted)")
         try:
-            payloads = list(
-                self.source.open_source(key=self.key).fetch(version, attempt, timeout_s)
-            )
+            source = self.source.open_source(key=self.key)
+            if self.fanout is not None:  # the cluster's one fetcher: forward as it reads
+                payloads = list(
+                    relay_attempt(source, self.fanout, version, attempt, timeout_s).payloads
+                )
+            else:
+                payloads = list(source.fetch(version, attempt, timeout_s))
         except Exception as e:  # transport: missing, abandoned, timed out
             return self._failed(version, attempt, f"fetch: {type(e).__name__}: {e}")
+        self.bytes_in += sum(len(p) for p in payloads)
         fetched = time.perf_counter()
         with self._lock:
             if attempt in self._fenced:  # fenced while it fetched: a late attempt
@@ -153,8 +180,21 @@ class ReplicaReceiver:
 
     def commit(self, version: int) -> None:
         with self._lock:
-            if self.store.commit(version):
-                self._fenced.clear()  # attempt ids start again for the next version
+            if not self.store.commit(version):
+                return
+            self._fenced.clear()  # attempt ids start again for the next version
+        if self.fanout is not None and self.keep_versions > 0:
+            before = version - self.keep_versions + 1  # the tree keeps what engines may need
+            threading.Thread(
+                target=self._forget, args=(before,), name="dcr-replica-forget", daemon=True
+            ).start()
+
+    def _forget(self, before_version: int) -> None:
+        assert self.fanout is not None
+        try:
+            self.fanout.forget(before_version)
+        except Exception as e:  # best effort: the next commit's pass catches up
+            log.warning("replica %s: relay retention before v%d: %s", self.name, before_version, e)
 
     def abort(self, attempt: int) -> None:
         with self._lock:

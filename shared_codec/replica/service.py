@@ -13,7 +13,7 @@ status 400 for a refused request, 404 for an unknown lease or file, 500 otherwis
 | ``POST /replica/abort`` | ``{"attempt"}`` | ``{"ok": true}`` |
 | ``POST /replica/restore`` | ``{"version"}`` | ``{"ok": true}`` |
 | ``GET /replica/digest`` | | ``{"digest"}`` |
-| ``GET /replica/status`` | | ``ReplicaStatus.to_json`` and ``served``: leases, bytes |
+| ``GET /replica/status`` | | ``ReplicaStatus.to_json``, ``served`` (leases, bytes), ``bytes_in`` |
 | ``POST /replica/leases`` | ``{"version", "ttl_s"}`` | ``{"lease", "version", "files": [{"path", "size"}]}`` |
 | ``GET /replica/leases/<id>/files/<path>`` | header ``Range: bytes=a-b`` | the bytes (206 with a range) |
 | ``DELETE /replica/leases/<id>`` | | ``{"ok": true}`` |
@@ -248,7 +248,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/replica/status":
             with self.owner._lock:
                 served = dict(self.owner.served)
-            self._json(HTTPStatus.OK, {**rx.status().to_json(), "served": served})
+            status = {**rx.status().to_json(), "served": served, "bytes_in": rx.bytes_in}
+            self._json(HTTPStatus.OK, status)
         elif m := re.fullmatch(r"/replica/leases/([0-9a-f]{32})/files/(.+)", self.path):
             self._file(m.group(1), unquote(m.group(2)))
         else:

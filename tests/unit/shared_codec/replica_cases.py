@@ -21,8 +21,7 @@ from shared_codec.dtypes import tensor_bits
 from shared_codec.format import PayloadMeta
 from shared_codec.records import DeltaItem, Kind, apply_items, diff_checkpoints
 from shared_codec.transport.base import Seal
-from shared_codec.transport.spec import open_sink
-from shared_codec.transport.store import DirectoryStore
+from shared_codec.transport.spec import open_sink, open_store
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 #: small buckets, so every version is several payloads per owner
@@ -167,7 +166,7 @@ class LineageOwners:
             self.lineage[version - 1], self.lineage[version], "overwrite" if retry else "xor"
         )
         ids: list[str] = []
-        store = DirectoryStore(self.spec["root"])
+        store = open_store(self.spec)
         for owner in (0, 1):
             mine = [it for it in items if it.owner == owner]
             with open_sink(self.spec, version=version, attempt=attempt, owner=owner) as sink:
