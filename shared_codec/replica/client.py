@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,10 +62,20 @@ class HttpReplica:
 
     required = True
 
-    def __init__(self, base_url: str, *, name: str = "replica", timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str = "replica",
+        timeout_s: float = 60.0,
+        launcher: Callable[[], str] | None = None,
+    ) -> None:
+        """`launcher`: restarts the service (``dcr replica serve`` on the same root) and
+        returns its new base URL; `restore` uses it when the service does not answer."""
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.launcher = launcher
         self.last: EngineAck | None = None
 
     def apply(self, version: int, attempt: int, timeout_s: float) -> EngineAck:
@@ -81,6 +91,15 @@ class HttpReplica:
         _call(self.base_url, "POST", "/replica/abort", {"attempt": attempt}, self.timeout_s)
 
     def restore(self, version: int) -> None:
+        """The service reopens its store (recovering what a crash left) and must then hold
+        committed `version`; a service that does not answer is restarted first (`launcher`)."""
+        try:
+            _call(self.base_url, "POST", "/replica/restore", {"version": version}, self.timeout_s)
+            return
+        except EngineUnreachable:
+            if self.launcher is None:
+                raise
+        self.base_url = self.launcher().rstrip("/")
         _call(self.base_url, "POST", "/replica/restore", {"version": version}, self.timeout_s)
 
     def digest(self) -> str:
