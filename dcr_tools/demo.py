@@ -28,6 +28,17 @@ the attempt complete, the engine's workers read them from there (``dcr_fetch`` w
 spec); ``dir``: a local directory store; ``s3``: S3 (a local ``moto_server`` without
 ``--endpoint``).
 
+Replica (default; ``--no-replica`` turns it off): the rollout cluster keeps its canonical
+replica (shared_codec/replica), bootstrapped from the initial checkpoint the engines serve and
+served by ``dcr replica serve`` reading the same payload source as the rollout engine. It is a
+required receiver of every transition, and the rollout engine restores from it (a dense load of
+its checkpoint URL, downloaded with range reads) - a killed engine never needs the trainer. The
+trainer's per-step export is only the oracle: the reference engine loads it, and each step also
+checks the replica's checkpoint against it (``replica_exact``, part of ``bit_exact``). With
+``dir`` or ``s3`` the replica is also the cluster's one reader of the store (``--fetch
+replica``, default): it forwards every payload down a local relay tree (root -> ``rollout0``)
+whose spool the rollout engine reads; ``--fetch engines``: the engine reads the store itself.
+
 Limitations:
 1. One rollout engine and one tree node (plus the root); the reference engine is dense-loaded.
 2. ``--refit dense`` reuses the reference engine's digest check (it is trivially exact).
@@ -56,11 +67,13 @@ from dcr_tools.procs import (
     start_rl_job,
     trainer_python,
 )
-from shared_codec.checkpoint import tensor_table
+from shared_codec.checkpoint import combined_digest, load_checkpoint, state_digests, tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig, RefitFailed
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.errors import DCRError
+from shared_codec.replica import ReplicaStore
+from shared_codec.replica.client import HttpReplica
 from shared_codec.transport.spec import open_store
 
 PROMPTS = [
@@ -116,6 +129,7 @@ class Demo:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.servers: list[ServeProcess] = []
         self.owners: RemoteOwners | None = None
+        self.replica: HttpReplica | None = None
 
     def log(self, msg: str) -> None:
         # every line tagged, also those of a multi-line message (an error with a traceback)
@@ -192,6 +206,7 @@ class Demo:
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
         model = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
+        self.model = model
         if self.args.transport == "relay":
             # the control records live in a local directory; payloads travel over the tree:
             # trainer ranks -> root -> node "rollout0", which spools them for its engine
@@ -205,7 +220,16 @@ class Demo:
             self.store = open_store(self.spec)
             self.sink_spec = self.spec
             transport_args = ["--store", json.dumps(self.spec)]
+        self.fetch_spec = self.spec  # what the replica reads
+        fanout = None
+        if self.args.replica and self.args.transport != "relay" and self.read_once:
+            # read once per cluster: the replica reads the store and forwards down a local tree
+            # (root -> node "rollout0"), whose spool the engine reads
+            fanout = {"kind": "relay", "root": self._start_relay_tree()}
+            self.spec = {"kind": "spool", "root": str(self.work / "spool-rollout0")}
         env = base_env(VLLM_SERVER_DEV_MODE="1")
+        if self.args.replica:
+            self.replica = self._start_replica(model, fanout)
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         trainer_py = trainer_python()
         self.log(
@@ -238,14 +262,17 @@ class Demo:
         urls = [s.start(timeout_s=600) for s in self.servers]
         self.owners = RemoteOwners(endpoint, timeout_s=600)
         self.owners.call("status", timeout_s=600)
-        self.owners.call("export", path=self.ckpt(0))
+        self.owners.call("export", path=self.ckpt(0))  # the oracle (reference engine) only
         table = tensor_table(self.ckpt(0))
+        # the rollout engine restores from the rollout cluster's replica (its checkpoint URL,
+        # downloaded with range reads), the reference engine from the trainer's exports
+        restore_from = self.ckpt if self.replica is None else self.replica.checkpoint_for
         self.rollout, self.reference = (
             HttpEngine(
                 name,
                 url,
                 store=self.spec,
-                checkpoint_for=self.ckpt,
+                checkpoint_for=restore_from if name == "rollout" else self.ckpt,
                 tensors=table,
                 launcher=server.start,
             )
@@ -259,7 +286,7 @@ class Demo:
         self.coord = Coordinator(
             self.store,
             self.owners,
-            [self.rollout],
+            self.members,
             CoordinatorConfig(max_attempts=3, ack_timeout_s=300),
             log=lambda m: self.log(f"coordinator: {m}"),
             # pipelined: the engine fetches (object stores) or reads the node's spool (relay) and
@@ -269,6 +296,39 @@ class Demo:
         )
         self.coord.initialize("export-v0")
         self.log("ready: every engine holds v0, commit record v0 written")
+
+    @property
+    def read_once(self) -> bool:
+        """Object storage: the replica is the cluster's one reader (``--fetch replica``)."""
+        return getattr(self.args, "fetch", "replica") == "replica"
+
+    def _start_replica(self, model: Path, fanout: dict[str, Any] | None) -> HttpReplica:
+        """The rollout cluster's canonical replica: bootstrapped from the initial checkpoint
+        the engines serve (never from the trainer), served by ``dcr replica serve`` reading the
+        same payload source as the engine."""
+        root = self.work / "replica"
+        with ReplicaStore(root) as store:
+            store.bootstrap(model)
+        log = open(self.work / "replica.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("dcr")), "replica", "serve", str(root),
+             "--source", json.dumps(self.fetch_spec),
+             *(["--fanout", json.dumps(fanout)] if fanout else [])],
+            stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            raise DCRError(f"dcr replica serve exited ({self.work / 'replica.log'})")
+        url = json.loads(line)["url"]
+        self.log(f"started the replica at {url} (root {root})")
+        return HttpReplica(url)
+
+    @property
+    def members(self) -> list[Any]:
+        """The coordinator's receivers: the replica (a required one) and the rollout engine."""
+        return ([self.replica] if self.replica is not None else []) + [self.rollout]
 
     def ckpt(self, version: int) -> str:
         return str(self.work / "ckpts" / f"v{version}")
@@ -332,7 +392,18 @@ class Demo:
         self.reference.rpc("dcr_dense_load", self.ckpt(step), step)
         row["digest"] = self.rollout.digest()
         row["bit_exact"] = row["digest"] == self.reference.digest()
+        if self.replica is not None and a.refit == "dcr":
+            row["replica_exact"] = self.replica_exact(step)
+            row["bit_exact"] = row["bit_exact"] and row["replica_exact"]
         return row
+
+    def replica_exact(self, version: int) -> bool:
+        """The replica holds committed `version` with exactly the bits of the trainer's export
+        of it (the oracle, at ``ckpt(version)``)."""
+        assert self.replica is not None
+        oracle = combined_digest(state_digests(load_checkpoint(self.ckpt(version))))
+        status = self.replica.status()
+        return bool(status["committed"] == version and self.replica.digest() == oracle)
 
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -350,6 +421,9 @@ class Demo:
             "transport": a.transport,
             "steps": a.steps,
             "kill_every": a.kill_every,
+            "replica": self.replica is not None,
+            # what restores read from the replica's service (leases opened, bytes sent)
+            "replica_served": self.replica.status()["served"] if self.replica else None,
             "checkpoint_bytes": self.checkpoint_bytes,
             "all_bit_exact": all(r["bit_exact"] for r in rows),
             "final_digest": rows[-1]["digest"] if rows else None,
@@ -399,6 +473,15 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--bucket", default="dcr-demo")
     ap.add_argument("--refit", choices=["dcr", "dense"], default="dcr")
     ap.add_argument("--kill-every", type=int, default=0, help="kill the engine mid-apply")
+    ap.add_argument(
+        "--no-replica", dest="replica", action="store_false",
+        help="no canonical replica: the rollout engine restores from the trainer's exports",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fetch", choices=["replica", "engines"], default="replica",
+        help="dir/s3 with a replica: the replica reads the store once for the cluster and "
+        "forwards down a local relay tree (default), or every engine reads the store",
+    )  # fmt: skip
     ap.add_argument("--samples", type=int, default=2, help="samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")

@@ -12,8 +12,11 @@ default ``keep_versions``), the trainer's HF export of the new version, a dense 
 export on the reference engine, and the rollout engine's digest compared with the reference's
 (``bit_exact``). Every ``--kill-every`` K refits (at refits K/2, K/2 + K, ...) the rollout
 engine is armed to die mid-apply (the test-only fault plan `dcr_tools.faults`, as
-``dcr demo --kill-every``): the coordinator fences the attempt, restarts and dense-loads the
-engine and retries with overwrites; that refit must take exactly two attempts.
+``dcr demo --kill-every``): the coordinator fences the attempt, restarts the engine, which
+dense-loads the committed version from the rollout cluster's replica (as in ``dcr demo``; the
+replica is a required receiver, checked against the export after every refit and sampled as
+row ``replica``; ``--no-replica``: from the trainer's export), and retries with overwrites;
+that refit must take exactly two attempts.
 
 At refit 0 (after start) and every ``--sample-every`` refits the soak records, through
 ``/proc`` (psutil), the resident set size, open file descriptors and threads of every process
@@ -35,8 +38,8 @@ refit failed; with ``--assert-flat`` also when a row grew beyond ``--max-growth`
 
 Limitations:
 1. The exported checkpoints the reference loads (``work/ckpts``) are the soak's own oracle
-   data: it keeps the newest two (the committed version's, which a restarted engine restores
-   from, and the one before) and is not a row.
+   data: it keeps the newest two (the committed version's and the one before) and is not a
+   row.
 2. RSS counts shared pages in every process that maps them; growth, not the sum, is the figure.
 3. One rollout engine and one tree node (the demo's cluster); kills hit only the rollout engine.
 """
@@ -138,6 +141,8 @@ class Soak(Demo):
                 roots.append((f"relay-{json.loads(str(cmd[-1]))['name']}", p.pid))
             elif "torch.distributed.run" in text:
                 roots.append(("trainer", p.pid))
+            elif "replica serve" in text:
+                roots.append(("replica", p.pid))
         for name, s in zip(("rollout", "reference"), self.servers, strict=True):
             if s.proc is not None and s.proc.poll() is None:
                 roots.append((name, s.proc.pid))
@@ -148,12 +153,14 @@ class Soak(Demo):
         out: dict[str, tuple[int, int]] = {}
         if self.args.transport == "relay":
             out["coordinator"] = dir_bytes(self.work / "control")
-            for d in self.work.glob("spool-*"):
-                out[f"relay-{d.name.removeprefix('spool-')}"] = dir_bytes(d)
         elif self.args.transport == "s3":
-            out["moto"] = bucket_bytes(self.spec)
+            out["moto"] = bucket_bytes(self.fetch_spec)
         else:
             out["coordinator"] = dir_bytes(self.work / "store")
+        for d in self.work.glob("spool-*"):  # the tree (relay; dir/s3 read once by the replica)
+            out[f"relay-{d.name.removeprefix('spool-')}"] = dir_bytes(d)
+        if self.replica is not None:  # two slots and at most three log records: flat
+            out["replica"] = dir_bytes(self.work / "replica")
         return out
 
     def sample(self) -> dict[str, dict[str, float]]:
@@ -219,6 +226,8 @@ class Soak(Demo):
         self.reference.rpc("dcr_dense_load", self.ckpt(v), v)
         digest = self.rollout.digest()
         exact = digest == self.reference.digest()
+        if self.replica is not None:  # the replica's checkpoint is the export's bits too
+            exact = exact and self.replica_exact(v)
         old = Path(self.ckpt(v - 2))
         if old.exists():
             shutil.rmtree(old)
@@ -385,6 +394,15 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--bucket", default="dcr-soak")
     ap.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (1e-5)")
     ap.add_argument("--seed", type=int, default=0, help="fixture seed")
+    ap.add_argument(
+        "--no-replica", dest="replica", action="store_false",
+        help="no canonical replica: the rollout engine restores from the trainer's exports",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fetch", choices=["replica", "engines"], default="replica",
+        help="s3 with a replica: the replica reads the store once and forwards down a local "
+        "relay tree (default), or the engine reads the store",
+    )  # fmt: skip
     return ap
 
 

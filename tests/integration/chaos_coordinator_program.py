@@ -34,6 +34,7 @@ from shared_codec.coordination.commit import CommitLog, CommitRecord
 from shared_codec.coordination.coordinator import AttemptResult, Coordinator, CoordinatorConfig
 from shared_codec.coordination.engines import HttpEngine
 from shared_codec.coordination.owners import RemoteOwners
+from shared_codec.replica.client import HttpReplica
 from shared_codec.transport.spec import open_store
 
 STEPS = ("after_prepare", "during_apply", "after_acks", "after_cas", "during_owner_commit")
@@ -109,7 +110,7 @@ def main() -> None:
     def checkpoint_for(version: int) -> str:
         return os.path.join(ckpts, f"v{version}")
 
-    engines = [
+    engines: list[Any] = [
         HttpEngine(
             e["name"],
             e["url"],
@@ -119,12 +120,14 @@ def main() -> None:
         )
         for e in cfg["engines"]
     ]
+    if cfg.get("replica"):  # the rollout cluster's replica: a required receiver, first
+        engines.insert(0, HttpReplica(cfg["replica"]))
     control = open_store(cfg["control"])
     owners = KillingOwners(cfg["owners"], kill)
     coord = KillingCoordinator(
         control,
         owners,
-        engines,  # type: ignore[arg-type]
+        engines,
         CoordinatorConfig(max_attempts=3, ack_timeout_s=120),
         log=lambda m: print(f"[coordinator] {m}", flush=True),
         transport=cfg["transport"],

@@ -66,7 +66,7 @@ class ChaosCluster(Demo):
         super().__init__(
             argparse.Namespace(
                 transport=transport, out=str(out), seed=0, lr=1e-5, endpoint="",
-                bucket="dcr-chaos", kill_every=0,
+                bucket="dcr-chaos", kill_every=0, replica=True, fetch="engines",
             )
         )  # fmt: skip
         self.transport = transport
@@ -87,7 +87,7 @@ class ChaosCluster(Demo):
         return Coordinator(
             self.store,
             owners or self.owners,
-            [self.rollout],
+            self.members,
             CoordinatorConfig(**{"max_attempts": 3, "ack_timeout_s": 120, **config}),
             log=lambda m: self.log(f"coordinator: {m}"),
             transport=self.sink_spec,
@@ -143,6 +143,7 @@ def assert_bit_exact(c: ChaosCluster, version: int) -> None:
     assert all(s["committed_version"] == version for s in c.rollout_status())
     assert all(s["state"] == "clean" for s in c.rollout_status())
     assert c.owners.call("status")["committed_version"] == version
+    assert c.replica_exact(version), f"the replica does not hold the export of {version}"
 
 
 def ordinary_refit(c: ChaosCluster, coord: Coordinator) -> RefitResult:
@@ -203,6 +204,7 @@ def test_coordinator_killed_then_resumed(chaos: ChaosCluster, step: str) -> None
         "transport": c.sink_spec,
         "owners": c.owners.endpoint if c.owners else "",
         "engines": [{"name": "rollout", "url": c.rollout.base_url}],
+        "replica": c.replica.base_url if c.replica is not None else None,
         "engine_store": c.spec,
         "ckpts": str(c.work / "ckpts"),
     }

@@ -1,8 +1,9 @@
 """`dcr demo` in reduced form (the README's main command): a short RL loop with real Megatron
 policy-gradient steps, a `vllm serve` rollout engine refit by DCR after every step (killed
-mid-apply every other step), checked bit for bit against a dense-loaded reference engine; and the
-same loop with dense refits: identical per-step rewards and final weights (paper section 8.4 in
-miniature)."""
+mid-apply every other step and restored from the rollout cluster's replica), checked bit for
+bit against a dense-loaded reference engine (and the replica against the trainer's export); and
+the same loop with dense refits: identical per-step rewards and final weights (paper section 8.4
+in miniature)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def _check_same_run(dcr: dict, dense: dict, steps: int) -> None:
     assert all(r["element_change_rate"] > 0 for r in dcr["rows"])
     killed = [r for r in dcr["rows"] if r["killed"]]
     assert killed and all(r["attempts"] == 2 for r in killed)
+    # the replica was a required receiver: its checkpoint is the export's bits at every step;
+    # the rollout engine restored from it (v0, then after every kill), never from the trainer
+    assert dcr["replica"] and all(r["replica_exact"] for r in dcr["rows"])
+    assert dcr["replica_served"]["leases"] == 1 + len(killed), dcr["replica_served"]
+    assert dcr["replica_served"]["bytes"] >= (1 + len(killed)) * dcr["checkpoint_bytes"]
     assert all(r["attempts"] == 1 for r in dcr["rows"] if not r["killed"])
     # the same RL run with dense refits: same rewards at every step, same final weights
     assert [r["rewards"] for r in dcr["rows"]] == [r["rewards"] for r in dense["rows"]]
