@@ -459,6 +459,19 @@ class Demo:
                 pass
 
 
+def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--no-replica`` and ``--fetch`` (`dcr demo`, `dcr soak`)."""
+    ap.add_argument(
+        "--no-replica", dest="replica", action="store_false",
+        help="no canonical replica: the rollout engine restores from the trainer's exports",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fetch", choices=["replica", "engines"], default="replica",
+        help="dir/s3 with a replica: the replica reads the store once for the cluster and "
+        "forwards down a local relay tree (default), or every engine reads the store",
+    )  # fmt: skip
+
+
 def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="dcr demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="RL steps (default 8)")
@@ -473,15 +486,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--bucket", default="dcr-demo")
     ap.add_argument("--refit", choices=["dcr", "dense"], default="dcr")
     ap.add_argument("--kill-every", type=int, default=0, help="kill the engine mid-apply")
-    ap.add_argument(
-        "--no-replica", dest="replica", action="store_false",
-        help="no canonical replica: the rollout engine restores from the trainer's exports",
-    )  # fmt: skip
-    ap.add_argument(
-        "--fetch", choices=["replica", "engines"], default="replica",
-        help="dir/s3 with a replica: the replica reads the store once for the cluster and "
-        "forwards down a local relay tree (default), or every engine reads the store",
-    )  # fmt: skip
+    add_replica_arguments(ap)
     ap.add_argument("--samples", type=int, default=2, help="samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools import faults
-from dcr_tools.demo import Demo
+from dcr_tools.demo import Demo, add_replica_arguments
 from shared_codec.coordination.commit import PREFIX as COMMITS
 from shared_codec.coordination.coordinator import RefitFailed
 from shared_codec.errors import DCRError
@@ -394,15 +394,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--bucket", default="dcr-soak")
     ap.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (1e-5)")
     ap.add_argument("--seed", type=int, default=0, help="fixture seed")
-    ap.add_argument(
-        "--no-replica", dest="replica", action="store_false",
-        help="no canonical replica: the rollout engine restores from the trainer's exports",
-    )  # fmt: skip
-    ap.add_argument(
-        "--fetch", choices=["replica", "engines"], default="replica",
-        help="s3 with a replica: the replica reads the store once and forwards down a local "
-        "relay tree (default), or the engine reads the store",
-    )  # fmt: skip
+    add_replica_arguments(ap)
     return ap
 
 

@@ -2,7 +2,7 @@
 collective. The interfaces (`base.py`: `PayloadSink` on the trainer side, `PayloadSource` on the
 rollout side, `ObjectStore`, the sealed-set records) are opened from one typed spec
 (`spec.py`: `TransportSpec`, its kind registry, and `open_sink` / `open_source` / `open_store` /
-`forget`), whatever the transport: object storage (`objects.py`) over a local directory or
+`forget`; `publish.py`: one process publishing a whole attempt), whatever the transport: object storage (`objects.py`) over a local directory or
 any S3-compatible endpoint (`store.py`), or a ZeroMQ relay tree (`relay/`, imported on use: it
 needs pyzmq) whose nodes spool payloads for their engines.
 """
@@ -16,6 +16,7 @@ from shared_codec.transport.base import (
     SinkReport,
 )
 from shared_codec.transport.objects import ObjectFetcher, ObjectPublisher, write_manifest
+from shared_codec.transport.publish import publish_attempt
 from shared_codec.transport.spec import (
     Role,
     TransportSpec,
@@ -44,5 +45,6 @@ __all__ = [
     "open_sink",
     "open_source",
     "open_store",
+    "publish_attempt",
     "write_manifest",
 ]

@@ -25,16 +25,17 @@ from shared_codec.replica import ReplicaStore, lease
 from shared_codec.replica.client import HttpReplica
 from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.store import DirectoryStore
-from tests.unit.shared_codec.replica_cases import LineageOwners, evolve, write_checkpoint
+from tests.unit.shared_codec.replica_cases import (
+    LineageOwners,
+    lineage_of,
+    write_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")
 def lineage(tmp_path_factory) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     initial = write_checkpoint(tmp_path_factory.mktemp("chaos") / "initial")
-    out = [load_checkpoint(initial)]
-    for v in range(1, 5):
-        out.append(evolve(out[-1], seed=40 + v))
-    return initial, out
+    return initial, lineage_of(initial, 4, seed=40)
 
 
 class Served:

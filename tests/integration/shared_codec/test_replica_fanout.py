@@ -31,7 +31,11 @@ from shared_codec.replica import ReplicaStore
 from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.spec import open_source, open_store
 from tests.integration.shared_codec.test_transport_relay import Tree
-from tests.unit.shared_codec.replica_cases import LineageOwners, evolve, write_checkpoint
+from tests.unit.shared_codec.replica_cases import (
+    LineageOwners,
+    lineage_of,
+    write_checkpoint,
+)
 
 pytestmark = [pytest.mark.s3, pytest.mark.zmq]
 
@@ -39,10 +43,7 @@ pytestmark = [pytest.mark.s3, pytest.mark.zmq]
 @pytest.fixture(scope="module")
 def lineage(tmp_path_factory) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     initial = write_checkpoint(tmp_path_factory.mktemp("fanout") / "initial")
-    out = [load_checkpoint(initial)]
-    for v in range(1, 5):
-        out.append(evolve(out[-1], seed=20 + v))
-    return initial, out
+    return initial, lineage_of(initial, 4, seed=20)
 
 
 class FailingOnce(LineageOwners):

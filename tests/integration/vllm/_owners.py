@@ -9,8 +9,7 @@ from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.checkpoint import load_checkpoint
 from shared_codec.format import PayloadMeta
 from shared_codec.records import Kind, diff_tensors
-from shared_codec.transport.base import Seal
-from shared_codec.transport.spec import open_sink
+from shared_codec.transport.publish import publish_attempt
 
 
 class CheckpointOwners:
@@ -32,12 +31,10 @@ class CheckpointOwners:
         payloads = encode_items(
             [i for i in items if i.count], meta, BucketConfig(bucket_bytes=4096, threads=0)
         )
-        with open_sink(self.transport, version=version, attempt=attempt, owner=0) as sink:
-            for p in payloads:
-                sink.send(p)
-            sent = sink.finish()
-        with open_sink(self.transport, version=version, attempt=attempt) as sink:
-            sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
+        publish_attempt(
+            self.transport, version=version, attempt=attempt, base_version=version - 1,
+            payloads={0: payloads},
+        )  # fmt: skip
         return {"baseline_id": f"ckpt-v{version - 1}", "payloads": len(payloads)}
 
     def verify(self, version: int) -> None:

@@ -76,6 +76,15 @@ def evolve(
     return out
 
 
+def lineage_of(initial: Path, versions: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """oracle[v] for v = 0..`versions`: the initial checkpoint's tensors, then each evolved
+    from the previous (`evolve` with seed `seed` + v)."""
+    out = [load_checkpoint(initial)]
+    for v in range(1, versions + 1):
+        out.append(evolve(out[-1], seed=seed + v))
+    return out
+
+
 def items_between(
     old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], kind: str
 ) -> list[DeltaItem]:

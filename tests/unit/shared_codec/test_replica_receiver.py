@@ -26,7 +26,7 @@ from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.store import DirectoryStore
 from tests.unit.shared_codec.replica_cases import (
     LineageOwners,
-    evolve,
+    lineage_of,
     same_bits,
     write_checkpoint,
 )
@@ -39,10 +39,7 @@ def initial(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def lineage(initial) -> list[dict[str, torch.Tensor]]:
-    out = [load_checkpoint(initial)]
-    for v in range(1, 6):
-        out.append(evolve(out[-1], seed=v))
-    return out
+    return lineage_of(initial, 5)
 
 
 def digest_of(tensors: dict[str, torch.Tensor]) -> str:

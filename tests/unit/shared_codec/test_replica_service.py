@@ -29,7 +29,7 @@ from shared_codec.replica.service import ReplicaService
 from shared_codec.transport.store import DirectoryStore
 from tests.unit.shared_codec.replica_cases import (
     LineageOwners,
-    evolve,
+    lineage_of,
     other_files,
     same_bits,
     write_checkpoint,
@@ -43,10 +43,7 @@ def initial(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def lineage(initial) -> list[dict[str, torch.Tensor]]:
-    out = [load_checkpoint(initial)]
-    for v in range(1, 4):
-        out.append(evolve(out[-1], seed=10 + v))
-    return out
+    return lineage_of(initial, 3, seed=10)
 
 
 def bootstrapped(tmp: Path, initial: Path) -> Path:

@@ -33,8 +33,8 @@ from shared_codec.replica.state import STATE_FILE, SlotStatus
 from tests.unit.shared_codec.replica_cases import (
     applied,
     encode,
-    evolve,
     items_between,
+    lineage_of,
     other_files,
     same_bits,
     tensor_files,
@@ -53,10 +53,7 @@ def initial(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lineage(initial) -> list[dict[str, torch.Tensor]]:
     """oracle[v] for v = 0..5: the initial tensors, then each evolved from the previous."""
-    out = [load_checkpoint(initial)]
-    for v in range(1, 6):
-        out.append(evolve(out[-1], seed=v))
-    return out
+    return lineage_of(initial, 5)
 
 
 @pytest.fixture

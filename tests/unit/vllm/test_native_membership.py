@@ -27,8 +27,8 @@ from shared_codec.checkpoint import save_checkpoint
 from shared_codec.errors import ProtocolError
 from shared_codec.format import PayloadMeta, encode_payload
 from shared_codec.records import Kind, diff_tensors
-from shared_codec.transport.base import Seal
-from shared_codec.transport.spec import open_sink, open_store
+from shared_codec.transport.publish import publish_attempt
+from shared_codec.transport.spec import open_store
 from tests.unit.vllm.test_exactly_once import REFIT, TABLE, _versions
 from tests.unit.vllm.test_native_contract import FakeWorker, RecordingClient
 from tests.unit.vllm.test_receiver_units import _assert_holds
@@ -93,15 +93,16 @@ class LineageOwners:
             )
             for n in REFIT
         ]  # fmt: skip
-        with open_sink(self.transport, version=version, attempt=attempt, owner=0) as sink:
-            for i, item in enumerate(items):
-                meta = PayloadMeta(
-                    version=version, base_version=version - 1, attempt=attempt, owner=0, sequence=i
-                )
-                sink.send(encode_payload([item], meta))
-            sent = sink.finish()
-        with open_sink(self.transport, version=version, attempt=attempt) as sink:
-            sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
+        payloads = [
+            encode_payload([item], PayloadMeta(
+                version=version, base_version=version - 1, attempt=attempt, owner=0, sequence=i,
+            ))
+            for i, item in enumerate(items)
+        ]  # fmt: skip
+        publish_attempt(
+            self.transport, version=version, attempt=attempt, base_version=version - 1,
+            payloads={0: payloads},
+        )  # fmt: skip
         return {"baseline_id": f"v{version - 1}", "payloads": len(items)}
 
     def verify(self, version: int) -> None:
