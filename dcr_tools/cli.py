@@ -26,6 +26,8 @@ Subcommands (each has ``--help``):
   (trainer and engines on separate CPUs).
 - ``dcr bench apply [--json PATH] [--size medium|small|large]``: receiver apply vs dense load
   (needs vLLM; imported only by this subcommand).
+- ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N]``: the canonical
+  replica's cost (issue 31): refit with / without it, restore from it / local disk, apply rates.
 
 Heavy packages are imported only inside the subcommand that needs them.
 """
@@ -85,6 +87,12 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
     from dcr_tools.bench import apply as bench_apply
 
     return bench_apply.main(args.json, args.size)
+
+
+def cmd_bench_replica(args: argparse.Namespace) -> int:
+    from dcr_tools.bench import replica as bench_replica  # engines run as `vllm serve`
+
+    return bench_replica.main(args.json, args.size, args.repeats)
 
 
 def cmd_bench_refit(args: argparse.Namespace) -> int:
@@ -385,6 +393,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~165M parameters (default); small: a quick run; large: ~1.34B (scale run)",
     )
     p.set_defaults(func=cmd_bench_apply)
+    p = bsub.add_parser(
+        "replica",
+        help="the canonical replica's cost: refit with / without, restore, apply rates",
+        description="The canonical replica (issue 31) on one vLLM engine and a `dcr replica "
+        "serve` process (docs/benchmarks.md): refit latency with / without the replica, restore "
+        "from it / from local disk, replica vs engine apply throughput; a warm-up, then "
+        "--repeats interleaved rounds (median [min-max]).",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--size",
+        choices=("medium", "small"),
+        default="medium",
+        help="medium: ~166M parameters (default); small: a quick run",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up (5)")
+    p.set_defaults(func=cmd_bench_replica)
     p = bsub.add_parser("construct", help="owner-side delta construction, modes X/P/F")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(
