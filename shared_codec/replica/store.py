@@ -41,12 +41,12 @@ points are named in `CRASH_POINTS` and tests/integration/shared_codec/test_repli
 a writer at each of them.
 
 Limitations:
-1. The digest of the staged state needs every tensor's digest of the committed version: the
-   first stage or `digest` after opening a root reads the committed slot once (O(model));
-   later stages re-digest only the tensors they change.
+1. Digests are hashed on demand (digests.py): the first `digest` after opening a root reads
+   every committed tensor once (O(model)); later ones hash only the tensors a transition
+   changed (whole tensors: a change anywhere in a tensor re-hashes all of it).
 2. One writer per root (a second `ReplicaStore` on it is refused); readers are unbounded.
-3. The store is a library: the service around it (coordinator channel, HTTP range reads,
-   restore and join) is separate.
+3. The store is a library: the receiver and the HTTP service around it are receiver.py and
+   service.py.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -65,6 +65,7 @@ from shared_codec.replica import durable, leases
 from shared_codec.replica.bootstrap import LOG_DIR, copy_initial
 from shared_codec.replica.crash import CRASH_POINTS
 from shared_codec.replica.crash import at as _at
+from shared_codec.replica.digests import DigestCache
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
 from shared_codec.replica.log import LogCorrupt, Record, parse_name, read_record, write_record
 from shared_codec.replica.state import (
@@ -108,8 +109,8 @@ class ReplicaStore:
             raise ReplicaError(f"{self.root}: another process holds this replica store") from None
         self._state: ReplicaState | None = None
         self._layout: dict[str, TensorLoc] | None = None
-        self._digests: dict[str, str] | None = None  # per tensor, of the committed version
-        self._staged: tuple[int, int, dict[str, str]] | None = None  # version, attempt, digests
+        self._digests = DigestCache()  # per tensor, committed and staged, on demand
+        self._recent: dict[tuple[int, int], Record] = {}  # records this store wrote, still kept
         #: how often a repair copied the committed slot because a log record was unusable
         self.copies = 0
         try:
@@ -235,6 +236,7 @@ class ReplicaStore:
             st = self._need()
             sh = st.slots[st.shadow]
             write_record(self.log_dir, rec, before_rename=lambda: _at("log_tmp"))
+            self._recent[(version, attempt)] = rec  # durable: later undo / catch-up from memory
             _at("log")
             prev = (
                 (sh.attempt,) if sh.status == SlotStatus.STAGED and sh.attempt is not None else ()
@@ -244,13 +246,13 @@ class ReplicaStore:
                 touched=(*prev, attempt),
             )  # fmt: skip
             self._save(st.with_slot(st.shadow, dirty), "dirty")
-            digests = self._write_shadow(st, dirty, rec)
+            self._write_shadow(st, dirty, rec)
             staged = SlotState(
                 status=SlotStatus.STAGED, version=st.committed, target=version, attempt=attempt
             )
             self._save(st.with_slot(st.shadow, staged), "staged")
             self._prune()
-        self._staged = (version, attempt, digests)
+        self._digests.staged(version, attempt, (c.name for c in rec.changes))
         return StageResult(
             version=version,
             attempt=attempt,
@@ -258,16 +260,14 @@ class ReplicaStore:
             payloads=len(decoded),
             tensors=len(rec.changes),
             elements=rec.elements,
-            digest=combined_digest(digests),
             seconds=time.perf_counter() - t0,
         )
 
-    def _write_shadow(self, st: ReplicaState, dirty: SlotState, rec: Record) -> dict[str, str]:
+    def _write_shadow(self, st: ReplicaState, dirty: SlotState, rec: Record) -> None:
         """Bring the dirty shadow to the committed version (undo a previously staged attempt,
         catch up; or copy the committed slot when a record is unusable), write `rec`'s new
-        bits, fsync; returns the per-tensor digests of the staged state."""
+        bits, fsync."""
         layout = self._layout_of(st)
-        digests = dict(self._committed_digests(st))
         with SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files:
             try:
                 self._undo(files, st, dirty, dirty.touched[:-1], "undo_partial")
@@ -278,11 +278,14 @@ class ReplicaStore:
                 files.put(c.name, c.indices, c.new)
                 if i == 0:
                     _at("apply_partial")
-            for c in rec.changes:
-                digests[c.name] = files.digest(c.name)
             files.sync()
         _at("slot_written")
-        return digests
+
+    def _record(self, version: int, attempt: int) -> Record:
+        """The log record of (`version`, `attempt`): from memory when this store wrote it,
+        else read back from the log (`LogCorrupt` when it is unusable)."""
+        rec = self._recent.get((version, attempt))
+        return rec if rec is not None else read_record(self.log_dir, version, attempt)
 
     def _undo(
         self,
@@ -298,13 +301,13 @@ class ReplicaStore:
         `LogCorrupt` when a record it needs is unusable (the files may be partly written)."""
         for a in attempts:
             assert slot.target is not None
-            for i, c in enumerate(read_record(self.log_dir, slot.target, a).changes):
+            for i, c in enumerate(self._record(slot.target, a).changes):
                 files.put(c.name, c.indices, c.old)
                 if i == 0:
                     _at(point)
         if slot.version < st.committed:
             assert st.committed_attempt is not None, "a lagging slot at the bootstrap version"
-            rec = read_record(self.log_dir, st.committed, st.committed_attempt)
+            rec = self._record(st.committed, st.committed_attempt)
             for i, c in enumerate(rec.changes):
                 files.put(c.name, c.indices, c.new)
                 if i == 0:
@@ -343,7 +346,7 @@ class ReplicaStore:
                 self._copy_committed(st, e)
         clean = SlotState(status=SlotStatus.CLEAN, version=st.committed)
         self._save(st.with_slot(st.shadow, clean), "clean")
-        self._staged = None
+        self._digests.unstaged()
         self._prune()
 
     def abort(self, version: int, attempt: int, *, lease_timeout_s: float | None = None) -> bool:
@@ -391,11 +394,7 @@ class ReplicaStore:
             slots=st.slots,
         ).with_slot(st.shadow, SlotState(status=SlotStatus.CLEAN, version=version))
         self._save(new, "committed")
-        if self._staged is not None and self._staged[:2] == (version, sh.attempt):
-            self._digests = self._staged[2]
-        else:
-            self._digests = None
-        self._staged = None
+        self._digests.committed(version, sh.attempt)
         self._prune()
         return True
 
@@ -409,8 +408,8 @@ class ReplicaStore:
         durable.remove_temporaries(self.root)
         self._state = load_state(self.root)
         self._layout = None
-        self._digests = None
-        self._staged = None
+        self._digests.reset()
+        self._recent = {}
         st = self._state
         if st is None:
             return None
@@ -434,6 +433,7 @@ class ReplicaStore:
         sh = st.slots[st.shadow]
         if sh.target is not None:
             keep.update((sh.target, a) for a in (*sh.touched, sh.attempt) if a is not None)
+        self._recent = {k: r for k, r in self._recent.items() if k in keep}
         removed = False
         for f in self.log_dir.iterdir() if self.log_dir.is_dir() else ():
             key = parse_name(f.name)
@@ -474,26 +474,28 @@ class ReplicaStore:
         unchanged (a stage that must write it waits, then raises `LeaseHeld`)."""
         return leases.lease(self.root, version, timeout_s=timeout_s, holder=holder)
 
-    def _committed_digests(self, st: ReplicaState) -> dict[str, str]:
-        if self._digests is None:
-            layout = self._layout_of(st)
-            with SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as f:
-                self._digests = {name: f.digest(name) for name in sorted(layout)}
-        return self._digests
+    def _reader(self, st: ReplicaState, slot: int) -> Callable[[Iterable[str]], dict[str, str]]:
+        def read(names: Iterable[str]) -> dict[str, str]:
+            with SlotFiles(slot_dir(self.root, slot), self._layout_of(st), write=False) as f:
+                return {n: f.digest(n) for n in names}
+
+        return read
 
     def digest(self, version: int | None = None) -> str:
-        """The combined digest of the committed version (default) or of the staged one."""
+        """The combined digest of the committed version (default) or of the staged one
+        (digests.py: hashed on demand, only what a transition changed)."""
         st = self._need()
+        names = self._layout_of(st)
+        committed = self._reader(st, st.committed_slot)
         if version is None or version == st.committed:
-            return combined_digest(self._committed_digests(st))
+            return combined_digest(self._digests.of_committed(names, committed))
         sh = st.slots[st.shadow]
         if sh.status != SlotStatus.STAGED or sh.target != version or sh.attempt is None:
             raise ReplicaError(f"digest: version {version} is neither committed nor staged here")
-        if self._staged is None or self._staged[:2] != (version, sh.attempt):
-            layout = self._layout_of(st)  # staged before this store was opened: read the files
-            with SlotFiles(slot_dir(self.root, st.shadow), layout, write=False) as f:
-                self._staged = (version, sh.attempt, {n: f.digest(n) for n in sorted(layout)})
-        return combined_digest(self._staged[2])
+        shadow = self._reader(st, st.shadow)
+        return combined_digest(
+            self._digests.of_staged(version, sh.attempt, names, committed, shadow)
+        )
 
 
 __all__ = ["CRASH_POINTS", "STATE_FILE", "ReplicaStatus", "ReplicaStore", "StageResult"]

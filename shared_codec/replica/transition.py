@@ -41,9 +41,8 @@ def nonneg(value: Any, what: str) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageResult:
-    """What a stage wrote: the staged (version, attempt) over `base_version`, how much it
-    changed, and `digest`, the combined digest of the staged canonical state
-    (`checkpoint.combined_digest` of every tensor's `checkpoint.tensor_digest`)."""
+    """What a stage wrote: the staged (version, attempt) over `base_version` and how much it
+    changed (the staged state's digest is `ReplicaStore.digest(version)`, hashed on demand)."""
 
     version: int
     attempt: int
@@ -51,7 +50,6 @@ class StageResult:
     payloads: int
     tensors: int
     elements: int
-    digest: str
     seconds: float
 
 
@@ -101,6 +99,20 @@ def decode_attempt(
     return out
 
 
+def _merged(items: list[tuple[str, DeltaItem]]) -> tuple[np.ndarray, list[Any]]:
+    """The sorted unique indices the items of one tensor name, and where each item's indices
+    are in them. Items whose index ranges follow each other (one item, or a tensor split
+    across buckets: the usual cases; each item's indices are strictly increasing, as
+    `locations.decode_locations` checks) are concatenated as they are; overlapping ones merge
+    with a sort."""
+    spans = [it.indices for _, it in items]
+    if all(a[-1] < b[0] for a, b in zip(spans, spans[1:], strict=False) if a.size and b.size):
+        ends = np.cumsum([0, *(s.shape[0] for s in spans)])
+        return np.concatenate(spans), [slice(a, b) for a, b in zip(ends, ends[1:], strict=False)]
+    idx = np.unique(np.concatenate(spans))
+    return idx, [np.searchsorted(idx, s) for s in spans]
+
+
 def build_record(
     decoded: Sequence[Payload],
     *,
@@ -119,12 +131,11 @@ def build_record(
     changes = []
     for name in sorted(by_tensor):
         items = by_tensor[name]
-        idx = np.unique(np.concatenate([it.indices for _, it in items]))
+        idx, at = _merged(items)
         old = committed.read(name, idx)
         new = old.copy()
         xored = np.zeros(idx.shape[0], dtype=bool)
-        for pid, it in items:
-            pos = np.searchsorted(idx, it.indices)
+        for (pid, it), pos in zip(items, at, strict=True):
             if it.kind == Kind.XOR:
                 again = np.flatnonzero(xored[pos])
                 if again.size:

@@ -82,7 +82,8 @@ def test_five_versions_bit_exact(store, initial, lineage) -> None:
     files0, mapping0 = other_files(initial), tensor_files(initial)
     for v, kind in enumerate(KINDS, start=1):
         res = store.stage(v, 0, payloads(lineage, v, kind=kind))
-        assert res.digest == combined_digest(state_digests(lineage[v]))
+        if v % 2:  # hashed before the commit; on even versions only after it (digests.py)
+            assert store.digest(v) == combined_digest(state_digests(lineage[v]))
         assert res.base_version == v - 1 and res.elements > 0 and res.payloads >= 4
         assert store.commit(v) is True
         assert store.commit(v) is False  # a repeated commit
@@ -92,7 +93,7 @@ def test_five_versions_bit_exact(store, initial, lineage) -> None:
         assert tensor_files(path) == mapping0
         # the other slot still holds v - 1 cleanly (it catches up at the next stage)
         assert same_bits(load_checkpoint(store.checkpoint_for(v - 1)), lineage[v - 1]) == []
-        assert store.digest() == res.digest
+        assert store.digest() == combined_digest(state_digests(lineage[v]))
         assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(v, 0)]
     with pytest.raises(ReplicaError, match="version 3 is not held"):
         store.checkpoint_for(3)
@@ -142,12 +143,12 @@ def test_overwrite_retry_after_partial_attempt(store, lineage) -> None:
     name = sorted(lineage[0])[1]
     bogus = make_item(name, lineage[0][name].dtype, lineage[0][name].shape, 1, Kind.XOR,
                       torch.arange(0, 64, 2).numpy(), torch.full((32,), 0x5A5A).numpy().astype("uint16"))  # fmt: skip
-    r0 = store.stage(1, 0, encode([*partial, bogus], 1, 0))
-    assert r0.digest == combined_digest(state_digests(applied(lineage[0], [*partial, bogus])))
+    store.stage(1, 0, encode([*partial, bogus], 1, 0))
+    assert store.digest(1) == combined_digest(state_digests(applied(lineage[0], [*partial, bogus])))
     with pytest.raises(ProtocolError, match="already staged"):
         store.stage(1, 0, encode(partial, 1, 0))
-    r1 = store.stage(1, 1, payloads(lineage, 1, attempt=1, kind="overwrite"))
-    assert r1.digest == combined_digest(state_digests(lineage[1]))
+    store.stage(1, 1, payloads(lineage, 1, attempt=1, kind="overwrite"))
+    assert store.digest(1) == combined_digest(state_digests(lineage[1]))
     assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(1, 1)]
     with pytest.raises(ProtocolError, match="attempt 0 is not staged"):
         store.commit(1, attempt=0)
@@ -245,7 +246,8 @@ def test_refusals_change_nothing(tmp_path, initial, lineage) -> None:
             store.commit(2)
         assert snapshot(store.root) == before
         # and the store still works
-        assert store.stage(2, 0, good).digest == combined_digest(state_digests(lineage[2]))
+        store.stage(2, 0, good)
+        assert store.digest(2) == combined_digest(state_digests(lineage[2]))
 
 
 def test_keyed_payloads(tmp_path, initial, lineage) -> None:
@@ -336,10 +338,12 @@ def test_recover_copies_the_committed_slot_when_the_log_is_unusable(
         assert same_bits(load_checkpoint(root / "slot1"), lineage[0]) == []
         store.stage(1, 1, payloads(lineage, 1, attempt=1))
         store.commit(1)
-        # a lagging slot whose catch-up record is gone is rebuilt by copying too
-        (root / "log" / record_name(1, 1)).unlink()
+    # a lagging slot whose catch-up record is gone is rebuilt by copying too (a store that
+    # wrote the record itself catches up from memory: reopened, it must read the log)
+    (root / "log" / record_name(1, 1)).unlink()
+    with ReplicaStore(root) as store:
         store.stage(2, 0, payloads(lineage, 2))
-        assert store.copies == 2
+        assert store.copies == 1
         store.commit(2)
         assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
         assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
@@ -377,7 +381,8 @@ def test_a_staged_attempt_survives_a_restart(tmp_path, initial, lineage) -> None
     root = tmp_path / "root"
     with ReplicaStore(root) as store:
         store.bootstrap(initial)
-        staged = store.stage(1, 4, payloads(lineage, 1, attempt=4)).digest
+        store.stage(1, 4, payloads(lineage, 1, attempt=4))
+        staged = store.digest(1)
     with ReplicaStore(root) as store:
         st = store.status()
         assert (st.slots[1].status, st.slots[1].target, st.slots[1].attempt) == (
