@@ -14,6 +14,7 @@ Limitations:
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import shutil
 import tempfile
@@ -165,18 +166,28 @@ def _range_get(
 ) -> None:
     req = urllib.request.Request(file_url + quote(rel))
     req.add_header("Range", f"bytes={start}-{end - 1}")
+    got = 0
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            data = resp.read()
+        with (
+            urllib.request.urlopen(req, timeout=timeout_s) as resp,
+            open(target, "r+b") as out,
+            mmap.mmap(out.fileno(), 0) as m,
+        ):
+            view = memoryview(m)[start:end]  # straight into the file's pages
+            try:
+                while got < end - start:
+                    n = resp.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            finally:
+                view.release()
     except urllib.error.HTTPError as e:
         raise ReplicaError(f"{rel} [{start}, {end}): HTTP {e.code}: {e.read()[:300]!r}") from None
     except (urllib.error.URLError, OSError) as e:
         raise EngineUnreachable(f"{rel} [{start}, {end}): {e}") from None
-    if len(data) != end - start:
-        raise ReplicaError(f"{rel} [{start}, {end}): got {len(data)} bytes")
-    with open(target, "r+b") as out:
-        out.seek(start)
-        out.write(data)
+    if got != end - start:
+        raise ReplicaError(f"{rel} [{start}, {end}): got {got} bytes")
 
 
 def is_checkpoint_url(path: str) -> bool:
