@@ -48,9 +48,15 @@ def test_throughput_round_is_changed_elements_per_second_of_each_receiver() -> N
 
 
 def test_restore_round_compares_wall_times() -> None:
-    # synthetic: the replica's load is a download (1.1 s wall) then the same 40 ms load
-    row = restore_round({"wall_s": 0.05, "worker_s": 0.04}, {"wall_s": 1.1, "worker_s": 0.04})
+    # synthetic: the replica's load over HTTP is a download (1.1 s wall) then the same 40 ms
+    # load; from its slot under a lease 0.052 s
+    row = restore_round(
+        {"wall_s": 0.05, "worker_s": 0.04},
+        {"wall_s": 1.1, "worker_s": 0.04},
+        {"wall_s": 0.052, "worker_s": 0.04},
+    )
     assert row["replica_vs_local"] == pytest.approx(22.0)
+    assert row["lease_vs_local"] == pytest.approx(1.04)
     assert (row["local_worker_s"], row["replica_worker_s"]) == (0.04, 0.04)
     assert set(row) == set(RESTORE_FIGURES)
 
@@ -62,7 +68,11 @@ def test_verdicts_judge_the_median_ratio_against_each_goal() -> None:
         refit_round({"refit_s": r}, {"refit_s": 1.0, "catchup_s": 0.1}) for r in (1.02, 1.04, 1.2)
     ]
     restores = [
-        restore_round({"wall_s": 1.0, "worker_s": 1.0}, {"wall_s": r, "worker_s": 1.0})
+        restore_round(
+            {"wall_s": 1.0, "worker_s": 1.0},
+            {"wall_s": r, "worker_s": 1.0},
+            {"wall_s": 1.0, "worker_s": 1.0},
+        )
         for r in (1.05, 1.3, 1.4)
     ]
     out = verdicts(aggregate(refits, REFIT_FIGURES), aggregate(restores, RESTORE_FIGURES))
@@ -72,6 +82,8 @@ def test_verdicts_judge_the_median_ratio_against_each_goal() -> None:
     assert refit["at_most"] == GOALS["refit_with_vs_without"] == 1.05
     assert restore["ratio"] == pytest.approx(1.3) and not restore["met"]
     assert restore["at_most"] == GOALS["restore_replica_vs_local"] == 1.1
+    assert out["restore_lease_vs_local"]["ratio"] == pytest.approx(1.0)
+    assert out["restore_lease_vs_local"]["met"]
     # exactly at the goal is met
     edge = aggregate([{"with_vs_without": 1.05}], ["with_vs_without"])
     assert verdicts(edge, aggregate(restores, RESTORE_FIGURES))["refit_with_vs_without"]["met"]
