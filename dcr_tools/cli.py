@@ -28,6 +28,8 @@ Subcommands (each has ``--help``):
   (needs vLLM; imported only by this subcommand).
 - ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N]``: the canonical
   replica's cost (issue 31): refit with / without it, restore from it / local disk, apply rates.
+- ``dcr bench fanout [--json PATH] [--receivers 1,2,4] [--repeats N]``: bytes across the rollout
+  cluster's boundary per refit, every receiver reading the store vs the replica reading it once.
 
 Heavy packages are imported only inside the subcommand that needs them.
 """
@@ -93,6 +95,12 @@ def cmd_bench_replica(args: argparse.Namespace) -> int:
     from dcr_tools.bench import replica as bench_replica  # engines run as `vllm serve`
 
     return bench_replica.main(args.json, args.size, args.repeats)
+
+
+def cmd_bench_fanout(args: argparse.Namespace) -> int:
+    from dcr_tools.bench import fanout as bench_fanout  # moto_server, relay nodes: processes
+
+    return bench_fanout.main(args.json, args.receivers, args.repeats)
 
 
 def cmd_bench_refit(args: argparse.Namespace) -> int:
@@ -410,6 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up (5)")
     p.set_defaults(func=cmd_bench_replica)
+    p = bsub.add_parser(
+        "fanout",
+        help="bytes across the rollout cluster's boundary per refit (issue 31)",
+        description="Bytes the object store sends into the rollout cluster per refit "
+        "(docs/benchmarks.md): every receiver reading the store vs the cluster's replica "
+        "reading it once and forwarding down a relay tree, with 1, 2, 4 receivers; a warm-up, "
+        "then --repeats rounds (median [min-max]).",
+    )
+    p.add_argument("--json", metavar="PATH", help="where to write the JSON (out/bench/fanout.json)")
+    p.add_argument("--receivers", default="1,2,4", help="receivers per cluster (1,2,4)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up (5)")
+    p.set_defaults(func=cmd_bench_fanout)
     p = bsub.add_parser("construct", help="owner-side delta construction, modes X/P/F")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument(

@@ -41,3 +41,13 @@ def test_render_says_whether_the_goal_was_met() -> None:
     assert [ln.split()[0] for ln in text.splitlines()[2:5]] == ["engines", "replica", "replica"]
     res["goal_payload_ratio_1x"]["replica-2"] = False
     assert render(res).splitlines()[-1].endswith("NOT met")
+
+
+def test_bench_fanout_is_registered() -> None:
+    from dcr_tools import cli
+
+    args = cli.build_parser().parse_args(
+        ["bench", "fanout", "--receivers", "1,3", "--repeats", "2"]
+    )
+    assert args.func is cli.cmd_bench_fanout
+    assert (args.receivers, args.repeats, args.json) == ("1,3", 2, None)
