@@ -23,8 +23,40 @@ REPO = Path(__file__).resolve().parents[1]
 EXTENSION = "vllm_dcr_plugin.DCRWorkerExtension"
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
+    """A currently free TCP port on 127.0.0.1 for a child process to bind later.
+
+    Chosen below the kernel's ephemeral range (``ip_local_port_range``), so that a socket some
+    other process binds to port 0 (vLLM's engine sockets, an HTTP server) or a connection's
+    local port can never take it between now and the child's bind (a chaos run once lost its
+    trainer job to "Address already in use" that way); never the same port twice in this
+    process. Without such a range (or below 10000), the kernel picks one."""
+    import random
+
+    low = _ephemeral_low()
+    if low > 10000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(10000, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
