@@ -26,21 +26,22 @@ Method (one warm-up of each kind, then `repeats` rounds, order alternating per r
   of the engine's apply in the same refit (its ranks' ``decode_s + apply_s``: the writes into
   the weights; payloads are decoded while they are fetched, outside that figure).
 - restore: ``dcr_dense_load`` of the committed version from its local directory vs from
-  ``replica.checkpoint_for(v)`` (the worker downloads it with range reads, loads, removes it):
-  RPC wall seconds (the goal) and the worker's own load seconds.
+  ``replica.checkpoint_for(v)`` (the worker downloads it with range reads, loads, removes it:
+  an engine on another host) vs from the replica's slot under a lease (an engine on the
+  replica's host): RPC wall seconds (the goals) and the worker's own load seconds.
 - bit-exactness: the replica's digest after every refit and catch-up equals the canonical
   digest of that version's checkpoint (`combined_digest(state_digests(...))`); the engine's
   digest after each restore equals its digest after the refits. A mismatch fails the run.
 
 Goals (issue 31): refit with / without the replica <= 1.05x; restore from the replica / a
-dense load from local disk <= 1.1x; apply throughput replica / engine reported.
+dense load from local disk <= 1.1x (over HTTP, and from the slot under a lease); apply
+throughput replica / engine reported.
 
 Limitations:
 1. The owners are a stand-in (above); construction time would make the refit ratio smaller.
 2. One machine: the engine, the replica service, the coordinator and the owners share its
    cores (on a cluster the replica has its own host), and the restore's download is loopback.
-3. The issue's fourth row (cross-cluster bytes with 1, 2, 4 engines) needs one payload fetcher
-   per rollout cluster (issue 31 item 3), which is not built: it is not measured.
+3. The issue's fourth row (cross-cluster bytes with 1, 2, 4 engines) is `dcr bench fanout`.
 """
 
 from __future__ import annotations
