@@ -149,8 +149,8 @@ def verdicts(refit: Mapping[str, float], restore: Mapping[str, float]) -> dict[s
 
 class ChainOwners:
     """STAND-IN for a trainer's owners (no trainer; module docstring): attempt 0 of version v
-    encodes `items[v]` (the canonical diff v-1 -> v) as owner 0 and publishes it through a
-    sink of `transport`, then seals it. A retry is refused: the benchmark allows no failed
+    encodes `items[v]` (the canonical diff v-1 -> v) as owner 0 and publishes it on
+    `transport` (`publish_attempt`: its sink, then the seal). A retry is refused: the benchmark allows no failed
     attempt."""
 
     def __init__(self, items: Mapping[int, list[Any]], transport: dict[str, Any], numel: int):
@@ -159,8 +159,7 @@ class ChainOwners:
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
         from shared_codec.buckets import BucketConfig, encode_items
         from shared_codec.format import PayloadMeta
-        from shared_codec.transport.base import Seal
-        from shared_codec.transport.spec import open_sink
+        from shared_codec.transport.publish import publish_attempt
 
         if retry:
             raise RuntimeError(f"version {version}: a retry (attempt {attempt}) in the benchmark")
@@ -171,12 +170,10 @@ class ChainOwners:
         )
         config = BucketConfig(bucket_bytes=BUCKET_BYTES, min_bucket_bytes=MIN_BUCKET_BYTES)
         payloads = encode_items(items, meta, config)
-        with open_sink(self.transport, version=version, attempt=attempt, owner=0) as sink:
-            for p in payloads:
-                sink.send(p)
-            sent = sink.finish()
-        with open_sink(self.transport, version=version, attempt=attempt) as sink:
-            sink.seal(Seal(base_version=version - 1, owners=(0,), payload_ids=sent.payload_ids))
+        publish_attempt(
+            self.transport, version=version, attempt=attempt, base_version=version - 1,
+            payloads={0: payloads},
+        )  # fmt: skip
         return {
             "baseline_id": f"bench-v{version - 1}",
             "version": version,
