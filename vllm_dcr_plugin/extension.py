@@ -235,11 +235,13 @@ class DCRWorkerExtension:
         (shared_codec/replica/client.py): it is downloaded first, then loaded and removed."""
         from shared_codec.replica.client import local_checkpoint
 
+        with _arguments("dcr_dense_load"):
+            version = _int(version, "version")  # before any download
         with local_checkpoint(path) as local:
             with _arguments("dcr_dense_load"):
-                args = (_checkpoint(local, "path"), _int(version, "version"))
-                self._dcr_receiver().check_checkpoint(args[0], "path")
-            return self._dcr_receiver().dense_load(*args)
+                checked = _checkpoint(local, "path")
+                self._dcr_receiver().check_checkpoint(checked, "path")
+            return self._dcr_receiver().dense_load(checked, version)
 
     @_rpc
     def dcr_verify_plan(self) -> dict[str, Any]:

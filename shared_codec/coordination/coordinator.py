@@ -94,16 +94,14 @@ class CoordinatorConfig:
     the weights on every rank: cheap for small models, seconds for large ones); `pipeline`: overlap
     the engines' delivery + apply with the owners' build (module docstring, step 3);
     `keep_versions`: retention after each commit (`Coordinator.retain`; 0 keeps everything);
-    `evict`: an engine that failed an attempt and whose restore then failed leaves the
-    membership and the retry goes on without it (a receiver whose ``required`` attribute is
-    true, the replica, never leaves: its failed restore fails the transition)."""
+    `evict`: an engine whose restore fails leaves the membership (module docstring)."""
 
     max_attempts: int = 3
     ack_timeout_s: float = 600.0
     record_digests: bool = True
     pipeline: bool = True  # start engines with the build (needs a way to abandon attempts)
     keep_versions: int = 2  # retention: versions older than the newest N committed go (0: keep)
-    evict: bool = True  # an engine that cannot be restored leaves instead of failing the refit
+    evict: bool = True  # never a `required` receiver: its failed restore fails the refit
 
 
 @dataclass
@@ -279,9 +277,7 @@ class Coordinator:
         cur = self.commits.current()
         if cur is None:
             raise DCRError(_NO_RECORD)
-        engine.restore(cur.version)
-        for a in self.attempts_of(cur.version + 1):
-            engine.abort(a)
+        self._restore(engine, cur.version)
         self.engines.append(engine)
         self.log(f"engine {engine.name} joined at committed version {cur.version}")
         return cur
@@ -479,27 +475,21 @@ class Coordinator:
             if r.name in res.unreachable:
                 self.log(f"restoring engine {r.name} to committed version {committed}")
                 try:
-                    r.restore(committed)
-                    for a in self.attempts_of(version):  # a restored engine forgot its fences
-                        r.abort(a)
+                    self._restore(r, committed)
                 except Exception as e:
                     if required(r) or not self.config.evict:
                         raise
-                    self._evict(r.name, f"restore failed: {type(e).__name__}: {e}", res)
+                    why = res.evicted[r.name] = f"restore failed: {type(e).__name__}: {e}"
+                    self.engines = [x for x in self.engines if x.name != r.name]
+                    self.log(f"engine {r.name} left the membership ({why})")
 
-    def _evict(self, name: str, why: str, res: AttemptResult) -> None:
-        self.engines = [r for r in self.engines if r.name != name]
-        res.evicted[name] = why
-        self.log(f"engine {name} left the membership ({why}); the next attempt goes on without it")
+    def _restore(self, engine: Engine, committed: int) -> None:
+        """Dense-load `engine` at `committed`, then fence the attempts reserved for the next
+        version (a restored engine forgot its fences)."""
+        engine.restore(committed)
+        for a in self.attempts_of(committed + 1):
+            engine.abort(a)
 
 
-__all__ = [
-    "AttemptResult",
-    "CommitConflict",
-    "Coordinator",
-    "CoordinatorConfig",
-    "Owners",
-    "Engine",
-    "RefitFailed",
-    "RefitResult",
-]
+__all__ = ["AttemptResult", "CommitConflict", "Coordinator", "CoordinatorConfig", "Owners"]
+__all__ += ["Engine", "RefitFailed", "RefitResult"]

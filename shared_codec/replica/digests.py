@@ -10,9 +10,22 @@ value as ``combined_digest(state_digests(load_checkpoint(dir)))`` of the slot's 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from shared_codec.replica.layout import SlotFiles, TensorLoc
 
 #: reads the digests of the named tensors from one slot's files
 Reader = Callable[[Iterable[str]], dict[str, str]]
+
+
+def slot_reader(directory: Path, layout: dict[str, TensorLoc]) -> Reader:
+    """A `Reader` of the slot `directory` (its files mapped read-only for each call)."""
+
+    def read(names: Iterable[str]) -> dict[str, str]:
+        with SlotFiles(directory, layout, write=False) as f:
+            return {n: f.digest(n) for n in names}
+
+    return read
 
 
 class DigestCache:
@@ -77,4 +90,4 @@ class DigestCache:
         return out
 
 
-__all__ = ["DigestCache"]
+__all__ = ["DigestCache", "Reader", "slot_reader"]

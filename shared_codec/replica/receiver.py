@@ -199,19 +199,15 @@ class ReplicaReceiver:
     def abort(self, attempt: int) -> None:
         with self._lock:
             self._fenced.add(attempt)
-            st = self.store.status()
-            shadow = st.slots[1 - st.committed_slot]
-            if shadow.target is not None:
-                self.store.abort(shadow.target, attempt)
+            target = self.store.status().shadow.target
+            if target is not None:
+                self.store.abort(target, attempt)
 
     def digest(self) -> str:
         """The digest of the staged version when one is staged (what the commit record binds,
         as an engine's digest is of its applied weights), else of the committed one."""
         with self._lock:
-            st = self.store.status()
-            shadow = st.slots[1 - st.committed_slot]
-            staged = shadow.target if shadow.status.value == "staged" else None
-            return self.store.digest(staged)
+            return self.store.digest(self.store.status().staged)
 
     def restore(self, version: int) -> None:
         """Reopen (recover) the store and bring it to committed `version` when that is staged
@@ -223,12 +219,7 @@ class ReplicaReceiver:
             self._store = self._open()
             self._fenced.clear()
             st = self.store.status()
-            shadow = st.slots[1 - st.committed_slot]
-            if (
-                st.committed + 1 == version
-                and shadow.target == version
-                and shadow.attempt is not None
-            ):
+            if st.staged == version:
                 self.store.commit(version)
                 st = self.store.status()
             if st.committed != version:

@@ -191,6 +191,17 @@ class ReplicaStatus:
     bootstrap_source: str
     slots: tuple[SlotState, SlotState]
 
+    @property
+    def shadow(self) -> SlotState:
+        """The state of the slot that does not hold the committed version."""
+        return self.slots[1 - self.committed_slot]
+
+    @property
+    def staged(self) -> int | None:
+        """The version the shadow holds staged (None when it is clean or dirty)."""
+        sh = self.shadow
+        return sh.target if sh.status == SlotStatus.STAGED else None
+
     @classmethod
     def of(cls, root: Path, st: ReplicaState) -> ReplicaStatus:
         return cls(

@@ -55,7 +55,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -65,7 +65,7 @@ from shared_codec.replica import durable, leases
 from shared_codec.replica.bootstrap import LOG_DIR, copy_initial
 from shared_codec.replica.crash import CRASH_POINTS
 from shared_codec.replica.crash import at as _at
-from shared_codec.replica.digests import DigestCache
+from shared_codec.replica.digests import DigestCache, slot_reader
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
 from shared_codec.replica.log import LogCorrupt, Record, parse_name, read_record, write_record
 from shared_codec.replica.state import (
@@ -474,25 +474,18 @@ class ReplicaStore:
         unchanged (a stage that must write it waits, then raises `LeaseHeld`)."""
         return leases.lease(self.root, version, timeout_s=timeout_s, holder=holder)
 
-    def _reader(self, st: ReplicaState, slot: int) -> Callable[[Iterable[str]], dict[str, str]]:
-        def read(names: Iterable[str]) -> dict[str, str]:
-            with SlotFiles(slot_dir(self.root, slot), self._layout_of(st), write=False) as f:
-                return {n: f.digest(n) for n in names}
-
-        return read
-
     def digest(self, version: int | None = None) -> str:
         """The combined digest of the committed version (default) or of the staged one
         (digests.py: hashed on demand, only what a transition changed)."""
         st = self._need()
         names = self._layout_of(st)
-        committed = self._reader(st, st.committed_slot)
+        committed = slot_reader(slot_dir(self.root, st.committed_slot), names)
         if version is None or version == st.committed:
             return combined_digest(self._digests.of_committed(names, committed))
         sh = st.slots[st.shadow]
         if sh.status != SlotStatus.STAGED or sh.target != version or sh.attempt is None:
             raise ReplicaError(f"digest: version {version} is neither committed nor staged here")
-        shadow = self._reader(st, st.shadow)
+        shadow = slot_reader(slot_dir(self.root, st.shadow), names)
         return combined_digest(
             self._digests.of_staged(version, sh.attempt, names, committed, shadow)
         )
