@@ -7,13 +7,16 @@ timeout or when the test ends, so no engine or rank outlives its test.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dcr_tools import faults
 from shared_codec.coordination.engines import HttpEngine
@@ -383,3 +386,69 @@ class ServeProcess:
             pass
         self.proc.wait(timeout=30)
         self.proc = None
+
+
+class RelayTree:
+    """Relay node processes (``python -m shared_codec.transport.relay``) for a k-ary tree on
+    loopback: node0 is the root; each node spools into ``tmp/node<i>``; `curve`: CURVE keys
+    per node, accepting `allowed_clients` and the nodes themselves. `stop` kills them
+    (process groups). For tests and benchmarks."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        n: int = 4,
+        k: int = 2,
+        curve: bool = False,
+        allowed_clients: tuple[bytes, ...] = (),
+        child_timeout_s: float = 3.0,
+    ) -> None:
+        from shared_codec.transport.relay import CurveKeys, tree_children
+
+        self.addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+        self.keys: list[Any] = [CurveKeys.generate() for _ in range(n)] if curve else [None] * n
+        self.dirs = [tmp / f"node{i}" for i in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        node_publics = tuple(k_.public for k_ in self.keys if k_ is not None)
+        for i in range(n):
+            cfg: dict[str, Any] = {
+                "name": f"node{i}",
+                "bind": self.addrs[i],
+                "deliver_dir": str(self.dirs[i]),
+                "child_timeout_s": child_timeout_s,
+                "children": [
+                    [f"node{c}", self.addrs[c], self.keys[c].public.decode() if curve else None]
+                    for c in tree_children(i, n, k)
+                ],
+            }
+            if curve:
+                cfg.update(
+                    public=self.keys[i].public.decode(),
+                    secret=self.keys[i].secret.decode(),
+                    allowed=[x.decode() for x in (*allowed_clients, *node_publics)],
+                )
+            with open(tmp / f"node{i}.log", "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        [PYTHON, "-m", "shared_codec.transport.relay", json.dumps(cfg)],
+                        cwd=REPO,
+                        env=base_env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+        time.sleep(1.5)  # bind + connect
+
+    def delivered(self, i: int, version: int = 1) -> list[str]:
+        log = self.dirs[i] / f"delivery-v{version:012d}.log"
+        return log.read_text().split() if log.exists() else []
+
+    def spooled_versions(self, i: int) -> set[int]:
+        """The versions any file in node `i`'s spool belongs to."""
+        found = (re.search(r"v(\d{12})", f.name) for f in self.dirs[i].iterdir())
+        return {int(m.group(1)) for m in found if m}
+
+    def stop(self) -> None:
+        for p in self.procs:
+            kill_group(p)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from dcr_tools.bench.stats import summarize
-from dcr_tools.procs import base_env, free_port, kill_group
+from dcr_tools.procs import RelayTree, free_port, kill_group
 
 MODES = ("engines", "replica")
 
@@ -215,38 +215,6 @@ def moto_server(work: Path) -> Iterator[str]:
         kill_group(proc)
 
 
-class Tree:
-    """Relay node processes, one per receiver: node0 is the root, k-ary below it."""
-
-    def __init__(self, work: Path, n: int, k: int = 2) -> None:
-        from shared_codec.transport.relay import tree_children
-
-        self.addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
-        self.dirs = [work / f"node{i}" for i in range(n)]
-        self.procs = []
-        for i in range(n):
-            cfg = {
-                "name": f"node{i}", "bind": self.addrs[i], "deliver_dir": str(self.dirs[i]),
-                "child_timeout_s": 10.0,
-                "children": [[f"node{c}", self.addrs[c], None] for c in tree_children(i, n, k)],
-            }  # fmt: skip
-            with open(work / f"node{i}.log", "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "shared_codec.transport.relay", json.dumps(cfg)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=base_env(),
-                        start_new_session=True,
-                    )  # fmt: skip
-                )
-        time.sleep(1.5)  # bind + connect
-
-    def stop(self) -> None:
-        for p in self.procs:
-            kill_group(p)
-
-
 class Config:
     """One configuration: `mode` with `n` receivers, its own prefix, roots and coordinator."""
 
@@ -268,7 +236,7 @@ class Config:
         for name in names:
             with ReplicaStore(base / name) as s:
                 s.bootstrap(initial)
-        self.tree = Tree(base, n) if mode == "replica" else None
+        self.tree = RelayTree(base, n, child_timeout_s=10.0) if mode == "replica" else None
         self.members: list[Any] = []
         if self.tree is not None:
             fanout = {"kind": "relay", "root": self.tree.addrs[0], "timeout_s": 60.0}

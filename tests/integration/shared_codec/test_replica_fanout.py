@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 import torch
 
+from dcr_tools.procs import RelayTree
 from shared_codec.checkpoint import combined_digest, load_checkpoint, state_digests
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.format import peek_header
 from shared_codec.replica import ReplicaStore
 from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.spec import open_source, open_store
-from tests.integration.shared_codec.test_transport_relay import Tree
 from tests.unit.shared_codec.replica_cases import (
     LineageOwners,
     lineage_of,
@@ -76,7 +76,7 @@ def test_one_fetcher_per_cluster_fans_out_over_the_relay_tree(
         Bucket=bucket
     )
     s3 = {"kind": "s3", "bucket": bucket, "endpoint_url": moto_endpoint, "prefix": "run"}
-    tree = Tree(tmp_path, n=3, k=2)  # node0 (the root) -> node1, node2
+    tree = RelayTree(tmp_path, n=3, k=2)  # node0 (the root) -> node1, node2
     roots = [tmp_path / f"replica{i}" for i in range(3)]
     for r in roots:
         with ReplicaStore(r) as s:

@@ -7,18 +7,15 @@ The cases over real ZeroMQ relay trees are here; the message checks in tests/uni
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dcr_tools.procs import PYTHON, REPO, base_env, free_port, kill_group
+from dcr_tools.procs import RelayTree, free_port
 from shared_codec.buckets import BucketConfig, encode_items
 from shared_codec.format import PayloadMeta, peek_header
 from shared_codec.records import Kind, make_item
@@ -27,7 +24,6 @@ from shared_codec.transport.relay import (
     RelaySender,
     read_spool,
     stream_spool,
-    tree_children,
 )
 from shared_codec.transport.spec import forget
 from shared_codec.transport.store import TransportError
@@ -55,69 +51,9 @@ def _payloads(owner: int, n_items: int = 6, version: int = 1) -> list[bytes]:
     return encode_items(items, meta, BucketConfig(bucket_bytes=60_000, threads=0))
 
 
-class Tree:
-    """Starts relay node processes for a k-ary tree and stops them (process groups)."""
-
-    def __init__(
-        self,
-        tmp: Path,
-        n: int = 4,
-        k: int = 2,
-        curve: bool = False,
-        allowed_clients: tuple[bytes, ...] = (),
-    ) -> None:
-        self.addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
-        self.keys = [CurveKeys.generate() for _ in range(n)] if curve else [None] * n
-        self.dirs = [tmp / f"node{i}" for i in range(n)]
-        self.procs: list[subprocess.Popen] = []
-        node_publics = tuple(k_.public for k_ in self.keys if k_ is not None)
-        for i in range(n):
-            cfg: dict = {
-                "name": f"node{i}",
-                "bind": self.addrs[i],
-                "deliver_dir": str(self.dirs[i]),
-                "child_timeout_s": 3.0,
-                "children": [
-                    [f"node{c}", self.addrs[c], self.keys[c].public.decode() if curve else None]
-                    for c in tree_children(i, n, k)
-                ],
-            }
-            if curve:
-                cfg.update(
-                    public=self.keys[i].public.decode(),
-                    secret=self.keys[i].secret.decode(),
-                    allowed=[x.decode() for x in (*allowed_clients, *node_publics)],
-                )
-            log = open(tmp / f"node{i}.log", "w")  # noqa: SIM115
-            self.procs.append(
-                subprocess.Popen(
-                    [PYTHON, "-m", "shared_codec.transport.relay", json.dumps(cfg)],
-                    cwd=REPO,
-                    env=base_env(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        time.sleep(1.5)  # bind + connect
-
-    def delivered(self, i: int, version: int = 1) -> list[str]:
-        log = self.dirs[i] / f"delivery-v{version:012d}.log"
-        return log.read_text().split() if log.exists() else []
-
-    def spooled_versions(self, i: int) -> set[int]:
-        """The versions any file in node `i`'s spool belongs to."""
-        found = (re.search(r"v(\d{12})", f.name) for f in self.dirs[i].iterdir())
-        return {int(m.group(1)) for m in found if m}
-
-    def stop(self) -> None:
-        for p in self.procs:
-            kill_group(p)
-
-
 @pytest.mark.zmq
 def test_every_payload_exactly_once_at_every_node(tmp_path: Path) -> None:
-    tree = Tree(tmp_path)
+    tree = RelayTree(tmp_path)
     try:
         owners = {o: _payloads(o) for o in (0, 1)}
         senders = [RelaySender(tree.addrs[0], window=4) for _ in owners]
@@ -163,7 +99,7 @@ def test_stream_spool_yields_payloads_as_they_arrive_and_stops_on_abandon(tmp_pa
     payload comes out before the rest is sent; the stream ends at the node's manifest notice
     with every payload exactly once; an attempt the coordinator abandons (sent to the root,
     forwarded down the tree) stops the stream at the leaf with the reason."""
-    tree = Tree(tmp_path)
+    tree = RelayTree(tmp_path)
     try:
         payloads = _payloads(0)
         ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
@@ -195,7 +131,7 @@ def test_forget_empties_every_spool_of_old_versions_and_refuses_their_stragglers
     after a commit): every node's spool keeps only versions >= before_version; a late payload
     or manifest of a forgotten version is refused (never spooled again); the kept version
     still reads whole; forgetting again is harmless."""
-    tree = Tree(tmp_path)
+    tree = RelayTree(tmp_path)
     try:
         spec = {"kind": "relay", "root": tree.addrs[0], "timeout_s": 20}
         sender = RelaySender(tree.addrs[0], window=4)
@@ -233,7 +169,7 @@ def test_forget_empties_every_spool_of_old_versions_and_refuses_their_stragglers
 
 @pytest.mark.zmq
 def test_killed_node_fails_the_attempt_naming_it(tmp_path: Path) -> None:
-    tree = Tree(tmp_path)
+    tree = RelayTree(tmp_path)
     try:
         payloads = _payloads(0, n_items=10)
         ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
@@ -254,7 +190,7 @@ def test_killed_node_fails_the_attempt_naming_it(tmp_path: Path) -> None:
 @pytest.mark.zmq
 def test_curve_refuses_unauthenticated_peers(tmp_path: Path) -> None:
     owner = CurveKeys.generate()
-    tree = Tree(tmp_path, curve=True, allowed_clients=(owner.public,))
+    tree = RelayTree(tmp_path, curve=True, allowed_clients=(owner.public,))
     try:
         payloads = _payloads(0, n_items=2)
         ids = [peek_header(p, verify=False).payload_id_hex for p in payloads]
@@ -329,7 +265,7 @@ def test_relay_sink_and_spool_source_seam(tmp_path: Path) -> None:
     `stream` at the leaves."""
     from shared_codec.transport import Seal, open_sink, open_source
 
-    tree = Tree(tmp_path)
+    tree = RelayTree(tmp_path)
     try:
         spec = {"kind": "relay", "root": tree.addrs[0], "timeout_s": 20}
         mine = {o: _payloads(o) for o in (0, 1)}
