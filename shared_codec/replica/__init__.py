@@ -15,11 +15,14 @@ Modules, one concept each:
 - `layout.py`: where each tensor lies in the safetensors files; in-place reads and writes
   through memory maps;
 - `leases.py`: reader leases and the store's slot write locks (flock);
-- `durable.py`: atomic replace, directory fsync, durable copies.
+- `durable.py`: atomic replace, directory fsync, durable copies;
+- `digests.py`: per-tensor digests of the committed and staged versions, hashed on demand;
+- `receiver.py`: `ReplicaReceiver`, the replica as a required receiver of every transition;
+- `service.py` / `client.py`: its HTTP service (``dcr replica serve``: receiver calls, the
+  committed checkpoints with range reads under a lease) and `HttpReplica`, `download`;
+- `fanout.py`: the cluster's one reader of the object store, forwarding down its relay tree.
 
-Limitations:
-1. The storage core only: the coordinator channel, the HTTP server, restore and join come
-   later (issue 31, items 1-2).
+Limitations: docs/replica.md, "Limitations".
 """
 
 from shared_codec.replica.crash import CRASH_POINTS
