@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 #: every temporary file or directory the replica writes starts with this prefix
@@ -41,17 +41,22 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 
 
 def atomic_write(
-    path: Path, data: bytes, *, before_rename: Callable[[], None] | None = None
+    path: Path,
+    data: bytes | Sequence[bytes],
+    *,
+    before_rename: Callable[[], None] | None = None,
 ) -> None:
-    """Replace `path` with `data` atomically and durably: write a temporary file beside it,
-    fsync it, rename it over `path`, fsync the directory. `before_rename`, when given, is
-    called between the fsync and the rename (the store's crash points use it)."""
+    """Replace `path` with `data` (bytes, or parts written in order) atomically and durably:
+    write a temporary file beside it, fsync it, rename it over `path`, fsync the directory.
+    `before_rename`, when given, is called between the fsync and the rename (the store's crash
+    points use it)."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for part in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

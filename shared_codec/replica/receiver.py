@@ -8,14 +8,17 @@ Per transition, in the coordinator's order (docs/protocol.md, "The replica"):
    waited for, so a pipelined coordinator may call it while the owners still build), then
    ``store.stage(v, a, payloads)``: validated, logged, written to the shadow slot and durable
    before the ACK. An overwrite retry stages a new attempt, which undoes the previous one.
-2. ``commit(v)``: the staged version becomes the committed one (idempotent).
+2. ``commit(v)``: the staged version becomes the committed one (idempotent); then, in the
+   background, the other slot catches up to `v` (`ReplicaStore.catch_up`), so the next stage
+   writes only its own attempt.
 3. ``abort(a)``: fence attempt `a` of the version being staged (a later apply of it is refused,
    also one that is still fetching) and undo it if it is staged.
 
 `restore(v)` (the coordinator's repair after a failed or unreachable attempt) reopens the store,
 which recovers whatever a crash left, and commits `v` when it is staged (the coordinator died
-between its compare-and-set and telling the replica); a replica whose committed version is
-not `v` afterwards is refused: nothing but a bootstrap or a catch-up may move it.
+between its compare-and-set and telling the replica), then catches up like a commit; a replica
+whose committed version is not `v` afterwards is refused: nothing but a bootstrap or later
+transitions may move it.
 
 With `fanout` (the rollout cluster's relay tree root), the replica is also the cluster's one
 fetcher in object-storage mode: it streams each attempt from the store once and forwards every
@@ -183,11 +186,27 @@ class ReplicaReceiver:
             if not self.store.commit(version):
                 return
             self._fenced.clear()  # attempt ids start again for the next version
+        self._start_catch_up()
         if self.fanout is not None and self.keep_versions > 0:
             before = version - self.keep_versions + 1  # the tree keeps what engines may need
             threading.Thread(
                 target=self._forget, args=(before,), name="dcr-replica-forget", daemon=True
             ).start()
+
+    def _start_catch_up(self) -> None:
+        """The next stage would first bring the lagging slot to the committed version: do it
+        now, in the background, off the refit's critical path (a stage that comes first does
+        it itself, under the lock)."""
+        threading.Thread(target=self._catch_up, name="dcr-replica-catch-up", daemon=True).start()
+
+    def _catch_up(self) -> None:
+        with self._lock:
+            if self._store is None:  # closed meanwhile
+                return
+            try:
+                self._store.catch_up(lease_timeout_s=0.0)
+            except Exception as e:  # a lease on the lagging version: the next stage waits
+                log.info("replica %s: catch-up after commit deferred: %s", self.name, e)
 
     def _forget(self, before_version: int) -> None:
         assert self.fanout is not None
@@ -228,6 +247,7 @@ class ReplicaReceiver:
                     " (it cannot be restored from itself: bootstrap it again from a checkpoint"
                     f" of version {version})"
                 )
+        self._start_catch_up()
 
     # -- reads ----------------------------------------------------------------------------------
     def checkpoint_for(self, version: int) -> AbstractContextManager[Path]:

@@ -22,18 +22,19 @@ Fsync discipline of `stage` (every step durable before the next starts; a crash 
 leaves the committed slot untouched and `recover` finishes the rest):
 1. decode and validate every payload, read the committed bits: nothing written yet;
 2. take the shadow's write lock (waits for its leases, `LeaseHeld` past the timeout);
-3. write the log record (old and new bits) to a temporary file, fsync, rename, fsync ``log/``;
+3. write the log record (the attempt's payloads as received, log.py) to a temporary file,
+   fsync, rename, fsync ``log/``;
 4. replace ``STATE.json`` (temporary, fsync, rename, fsync root): shadow `dirty`, naming the
    records that may now write it;
-5. write the shadow in place through memory maps: undo a previously staged attempt (its old
-   bits), catch up when the shadow lags one version (the committed record's new bits), then
-   the attempt's new bits; msync + fsync every written file;
+5. write the shadow in place through memory maps: undo a previously staged attempt and, when
+   the shadow lags one version, catch up (both: the committed slot's bits copied at the
+   elements the records name), then the attempt's new bits; msync + fsync every written file;
 6. replace ``STATE.json``: shadow `staged` (version, attempt); stage returns after this, so its
    ACK is durable: a replica restarted before the commit can still commit the attempt.
 `commit(v)` is one ``STATE.json`` replacement (the shadow becomes the committed slot; the old
 one holds v - 1 and catches up at the next stage). `abort` and the repair of a `dirty` slot
-mark it dirty, write the undo/catch-up overwrites, fsync, and mark it clean at the committed
-version. A record that is missing or torn when a repair needs it makes the repair copy the
+mark it dirty, copy the committed bits at every element the records name, fsync, and mark it
+clean at the committed version. A record that is missing or torn when a repair needs it makes the repair copy the
 committed slot's files over the shadow's instead (each file atomically), which is always right.
 
 What each crash point leaves, and what `recover` does, is the table in docs/replica.md; the
@@ -67,7 +68,7 @@ from shared_codec.replica.crash import CRASH_POINTS
 from shared_codec.replica.crash import at as _at
 from shared_codec.replica.digests import DigestCache, slot_reader
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
-from shared_codec.replica.log import LogCorrupt, Record, parse_name, read_record, write_record
+from shared_codec.replica.log import LogCorrupt, Touched, prune_records, write_record
 from shared_codec.replica.state import (
     STATE_FILE,
     ReplicaState,
@@ -78,7 +79,13 @@ from shared_codec.replica.state import (
     save_state,
     slot_dir,
 )
-from shared_codec.replica.transition import StageResult, build_record, decode_attempt
+from shared_codec.replica.transition import (
+    Change,
+    StageResult,
+    build_changes,
+    decode_attempt,
+    read_touched,
+)
 from shared_codec.replica.transition import nonneg as _nonneg
 
 log = logging.getLogger("dcr.replica")
@@ -110,7 +117,9 @@ class ReplicaStore:
         self._state: ReplicaState | None = None
         self._layout: dict[str, TensorLoc] | None = None
         self._digests = DigestCache()  # per tensor, committed and staged, on demand
-        self._recent: dict[tuple[int, int], Record] = {}  # records this store wrote, still kept
+        # what the records this store wrote (and still keeps) touch: repairs read the log only
+        # after a restart
+        self._recent: dict[tuple[int, int], tuple[Touched, ...]] = {}
         #: how often a repair copied the committed slot because a log record was unusable
         self.copies = 0
         try:
@@ -225,18 +234,21 @@ class ReplicaStore:
             layout=layout, key=self.key,
         )  # fmt: skip
         with SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as old:
-            rec = build_record(
-                decoded, version=version, attempt=attempt, base_version=st.committed,
-                committed=old,
-            )  # fmt: skip
+            changes = build_changes(decoded, attempt=attempt, committed=old)
         what = f"stage({version}, {attempt})"
         with self._writing(st.shadow, lease_timeout_s, what):
             if self._need().slots[st.shadow].status == SlotStatus.DIRTY:
                 self._repair()
             st = self._need()
             sh = st.slots[st.shadow]
-            write_record(self.log_dir, rec, before_rename=lambda: _at("log_tmp"))
-            self._recent[(version, attempt)] = rec  # durable: later undo / catch-up from memory
+            write_record(
+                self.log_dir, version, st.committed, attempt, payloads,
+                before_rename=lambda: _at("log_tmp"),
+            )  # fmt: skip
+            # durable: later undo / catch-up from memory
+            self._recent[(version, attempt)] = tuple(
+                Touched(name=c.name, indices=c.indices) for c in changes
+            )
             _at("log")
             prev = (
                 (sh.attempt,) if sh.status == SlotStatus.STAGED and sh.attempt is not None else ()
@@ -246,70 +258,80 @@ class ReplicaStore:
                 touched=(*prev, attempt),
             )  # fmt: skip
             self._save(st.with_slot(st.shadow, dirty), "dirty")
-            self._write_shadow(st, dirty, rec)
+            self._write_shadow(st, dirty, changes)
             staged = SlotState(
                 status=SlotStatus.STAGED, version=st.committed, target=version, attempt=attempt
             )
             self._save(st.with_slot(st.shadow, staged), "staged")
             self._prune()
-        self._digests.staged(version, attempt, (c.name for c in rec.changes))
+        self._digests.staged(version, attempt, (c.name for c in changes))
         return StageResult(
             version=version,
             attempt=attempt,
             base_version=st.committed,
             payloads=len(decoded),
-            tensors=len(rec.changes),
-            elements=rec.elements,
+            tensors=len(changes),
+            elements=sum(int(c.indices.shape[0]) for c in changes),
             seconds=time.perf_counter() - t0,
         )
 
-    def _write_shadow(self, st: ReplicaState, dirty: SlotState, rec: Record) -> None:
+    def _write_shadow(
+        self, st: ReplicaState, dirty: SlotState, changes: tuple[Change, ...]
+    ) -> None:
         """Bring the dirty shadow to the committed version (undo a previously staged attempt,
-        catch up; or copy the committed slot when a record is unusable), write `rec`'s new
-        bits, fsync."""
+        catch up; or copy the committed slot when a record is unusable), write the attempt's
+        staged bits, fsync."""
         layout = self._layout_of(st)
-        with SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files:
+        with (
+            SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files,
+            SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as committed,
+        ):
             try:
-                self._undo(files, st, dirty, dirty.touched[:-1], "undo_partial")
+                self._undo(files, committed, st, dirty, dirty.touched[:-1], "undo_partial")
             except LogCorrupt as e:
                 files.close()
                 self._copy_committed(st, e)
-            for i, c in enumerate(rec.changes):
+            for i, c in enumerate(changes):
                 files.put(c.name, c.indices, c.new)
                 if i == 0:
                     _at("apply_partial")
             files.sync()
         _at("slot_written")
 
-    def _record(self, version: int, attempt: int) -> Record:
-        """The log record of (`version`, `attempt`): from memory when this store wrote it,
-        else read back from the log (`LogCorrupt` when it is unusable)."""
-        rec = self._recent.get((version, attempt))
-        return rec if rec is not None else read_record(self.log_dir, version, attempt)
+    def _touched(self, version: int, attempt: int) -> tuple[Touched, ...]:
+        """What the record of (`version`, `attempt`) may have written: from memory when this
+        store wrote it, else read back from the log (`LogCorrupt` when unusable)."""
+        got = self._recent.get((version, attempt))
+        if got is not None:
+            return got
+        return read_touched(
+            self.log_dir, version, attempt, layout=self._layout_of(self._need()), key=self.key
+        )
 
     def _undo(
         self,
         files: SlotFiles,
+        committed: SlotFiles,
         st: ReplicaState,
         slot: SlotState,
         attempts: tuple[int, ...],
         point: str,
     ) -> None:
         """Overwrite everything that may differ from the committed version in a shadow in state
-        `slot`: the old bits of `attempts` of its target, then, when it lags one version, the
-        committed record's new bits. Idempotent (overwrites of committed bits only);
-        `LogCorrupt` when a record it needs is unusable (the files may be partly written)."""
+        `slot` with the committed slot's bits: the elements `attempts` of its target touched,
+        then, when it lags one version, those the committed transition changed. Idempotent
+        (copies of committed bits only); `LogCorrupt` when a record it needs is unusable (the
+        files may be partly written)."""
         for a in attempts:
             assert slot.target is not None
-            for i, c in enumerate(self._record(slot.target, a).changes):
-                files.put(c.name, c.indices, c.old)
+            for i, t in enumerate(self._touched(slot.target, a)):
+                files.put(t.name, t.indices, committed.read(t.name, t.indices))
                 if i == 0:
                     _at(point)
         if slot.version < st.committed:
             assert st.committed_attempt is not None, "a lagging slot at the bootstrap version"
-            rec = self._record(st.committed, st.committed_attempt)
-            for i, c in enumerate(rec.changes):
-                files.put(c.name, c.indices, c.new)
+            for i, t in enumerate(self._touched(st.committed, st.committed_attempt)):
+                files.put(t.name, t.indices, committed.read(t.name, t.indices))
                 if i == 0:
                     _at("catchup_partial")
 
@@ -337,9 +359,13 @@ class ReplicaStore:
                 touched=(sh.attempt,),
             )  # fmt: skip
             self._save(st.with_slot(st.shadow, sh), "dirty")
-        with SlotFiles(slot_dir(self.root, st.shadow), self._layout_of(st), write=True) as files:
+        layout = self._layout_of(st)
+        with (
+            SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files,
+            SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as committed,
+        ):
             try:
-                self._undo(files, st, sh, sh.touched, "repair_partial")
+                self._undo(files, committed, st, sh, sh.touched, "repair_partial")
                 files.sync()
             except LogCorrupt as e:
                 files.close()
@@ -350,8 +376,8 @@ class ReplicaStore:
         self._prune()
 
     def abort(self, version: int, attempt: int, *, lease_timeout_s: float | None = None) -> bool:
-        """Undo attempt `attempt` of `version` in the shadow (its old bits) and mark the shadow
-        clean at the committed version. True when something was undone; False (nothing
+        """Undo attempt `attempt` of `version` in the shadow (the committed bits copied back)
+        and mark the shadow clean at the committed version. True when something was undone; False (nothing
         changed) when that attempt is not staged."""
         version = _nonneg(version, "abort: version")
         attempt = _nonneg(attempt, "abort: attempt")
@@ -398,6 +424,24 @@ class ReplicaStore:
         self._prune()
         return True
 
+    def catch_up(self, *, lease_timeout_s: float | None = None) -> bool:
+        """Bring a shadow that lags one version to the committed version now, what the next
+        `stage` would do first (the committed slot's bits copied at the elements the committed
+        transition changed; dirty, written, fsynced, clean), so that stage writes only its own
+        attempt. A receiver calls it after a commit, off the refit's critical path. True when
+        it caught up; False (nothing changed) when the shadow does not lag. The version the
+        shadow held (committed - 1) is no longer held afterwards: `LeaseHeld` while a lease
+        on it outlasts `lease_timeout_s` (default: the store's)."""
+        st = self._need()
+        sh = st.slots[st.shadow]
+        if sh.status != SlotStatus.CLEAN or sh.version == st.committed:
+            return False
+        with self._writing(st.shadow, lease_timeout_s, "catch_up"):
+            dirty = SlotState(status=SlotStatus.DIRTY, version=sh.version, target=st.committed + 1)
+            self._save(st.with_slot(st.shadow, dirty), "dirty")
+            self._repair()
+        return True
+
     # -- recovery and housekeeping ---------------------------------------------------------------
 
     def recover(self) -> ReplicaStatus | None:
@@ -434,14 +478,7 @@ class ReplicaStore:
         if sh.target is not None:
             keep.update((sh.target, a) for a in (*sh.touched, sh.attempt) if a is not None)
         self._recent = {k: r for k, r in self._recent.items() if k in keep}
-        removed = False
-        for f in self.log_dir.iterdir() if self.log_dir.is_dir() else ():
-            key = parse_name(f.name)
-            if key is not None and key not in keep:
-                f.unlink()
-                removed = True
-        if removed:
-            durable.fsync_dir(self.log_dir)
+        prune_records(self.log_dir, keep)
 
     @contextmanager
     def _writing(self, slot: int, timeout_s: float | None, what: str) -> Iterator[None]:

@@ -1,6 +1,8 @@
-"""From an attempt's payloads to the log record the replica writes: decode and validate every
-payload with the codec, then compute per canonical tensor the changed flat indices, their
-committed bits (read from the committed slot) and their staged bits.
+"""From an attempt's payloads to the writes the replica stages: decode and validate every
+payload with the codec, then compute per canonical tensor the changed flat indices and their
+staged bits (from the committed bits, read from the committed slot). The log record is the
+payloads themselves (log.py); `touched_of` gives the indices a record names when it is read
+back.
 
 Validation, all before anything is written (a refusal changes nothing):
 1. each payload decodes (`decode.decode_payload`: digest, keyed when the store has a secret,
@@ -13,13 +15,14 @@ Validation, all before anything is written (a refusal changes nothing):
 
 Items are applied in (owner, sequence) order, as receivers do: an XOR item flips the bits it
 names, an OVERWRITE item sets them; elements whose staged bits equal their committed bits are
-dropped from the record.
+not written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +32,7 @@ from shared_codec.errors import ArgumentError, PayloadError
 from shared_codec.format import Payload
 from shared_codec.records import DeltaItem, Kind
 from shared_codec.replica.layout import SlotFiles, TensorLoc
-from shared_codec.replica.log import Record, TensorChange
+from shared_codec.replica.log import LogCorrupt, Touched, read_record
 
 
 def nonneg(value: Any, what: str) -> int:
@@ -113,21 +116,55 @@ def _merged(items: list[tuple[str, DeltaItem]]) -> tuple[np.ndarray, list[Any]]:
     return idx, [np.searchsorted(idx, s) for s in spans]
 
 
-def build_record(
-    decoded: Sequence[Payload],
-    *,
-    version: int,
-    attempt: int,
-    base_version: int,
-    committed: SlotFiles,
-) -> Record:
-    """The record of the attempt: per tensor (sorted by name), the elements it changes with
-    their committed bits (read from `committed`) and staged bits. O(entries) memory."""
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Change:
+    """One tensor's part of a staged attempt: sorted unique flat indices whose staged bits
+    differ from the committed ones, and those staged bits."""
+
+    name: str
+    indices: np.ndarray
+    new: np.ndarray
+
+
+def _by_tensor(decoded: Sequence[Payload]) -> dict[str, list[tuple[str, DeltaItem]]]:
     by_tensor: dict[str, list[tuple[str, DeltaItem]]] = {}
     for p in decoded:
         for item in p.items:
             if item.count:
                 by_tensor.setdefault(item.name, []).append((p.header.payload_id_hex, item))
+    return by_tensor
+
+
+def touched_of(decoded: Sequence[Payload]) -> tuple[Touched, ...]:
+    """Per tensor (sorted by name) the sorted unique indices the decoded payloads' items name:
+    every element a staged attempt may have written."""
+    by_tensor = _by_tensor(decoded)
+    return tuple(Touched(name=n, indices=_merged(by_tensor[n])[0]) for n in sorted(by_tensor))
+
+
+def read_touched(
+    log_dir: Path, version: int, attempt: int, *, layout: dict[str, TensorLoc], key: bytes | None
+) -> tuple[Touched, ...]:
+    """`touched_of` the record of (`version`, `attempt`) read back from the log, its payloads
+    decoded again (`LogCorrupt` when the record is missing, torn, foreign or refused)."""
+    rec = read_record(log_dir, version, attempt)
+    try:
+        decoded = decode_attempt(
+            rec.payloads, version=version, attempt=attempt, base_version=rec.base_version,
+            layout=layout, key=key,
+        )  # fmt: skip
+    except PayloadError as e:
+        raise LogCorrupt(f"record v{version}/a{attempt}: a payload is refused: {e}") from None
+    return touched_of(decoded)
+
+
+def build_changes(
+    decoded: Sequence[Payload], *, attempt: int, committed: SlotFiles
+) -> tuple[Change, ...]:
+    """What the attempt writes: per tensor (sorted by name), the elements it changes and their
+    staged bits (from the committed bits read from `committed`); `PayloadError` (nothing
+    written) for an element XORed twice. O(entries) memory."""
+    by_tensor = _by_tensor(decoded)
     changes = []
     for name in sorted(by_tensor):
         items = by_tensor[name]
@@ -150,15 +187,5 @@ def build_record(
                 new[pos] = it.values
         keep = new != old
         if keep.any():
-            changes.append(
-                TensorChange(
-                    name=name,
-                    dtype=items[0][1].dtype,
-                    indices=idx[keep],
-                    old=old[keep],
-                    new=new[keep],
-                )  # fmt: skip
-            )
-    return Record(
-        version=version, base_version=base_version, attempt=attempt, changes=tuple(changes)
-    )
+            changes.append(Change(name=name, indices=idx[keep], new=new[keep]))
+    return tuple(changes)

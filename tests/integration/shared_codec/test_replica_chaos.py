@@ -27,6 +27,7 @@ from shared_codec.replica.receiver import ReplicaReceiver
 from shared_codec.transport.store import DirectoryStore
 from tests.unit.shared_codec.replica_cases import (
     LineageOwners,
+    caught_up,
     lineage_of,
     write_checkpoint,
 )
@@ -109,8 +110,9 @@ def test_replica_killed_mid_apply_and_mid_commit(lineage, tmp_path) -> None:
         assert first.unreachable == {"replica"} and "EngineUnreachable" in first.failed["replica"]
         assert res.record.version == 1 and res.record.attempt == 1
         assert set(res.record.digests.values()) == {digest_of(versions[1])}
-        for r in roots.values():  # v1 committed, v0 still held: nothing lost
-            assert held(r, 1) == digest_of(versions[1]) and held(r, 0) == digest_of(versions[0])
+        for r in roots.values():  # v1 committed on both slots (caught up): nothing lost
+            assert held(r, 1) == digest_of(versions[1])
+            assert [digest_of(t) for t in caught_up(r, 1)] == [digest_of(versions[1])] * 2
 
         # 2. killed mid-commit (the new STATE.json written, not yet renamed): the record is
         # durable, the refit raises on the notification; restored, the replica finds v2
@@ -128,7 +130,8 @@ def test_replica_killed_mid_apply_and_mid_commit(lineage, tmp_path) -> None:
         )  # fmt: skip
         assert fresh.resume() == 2
         for r in roots.values():
-            assert held(r, 2) == digest_of(versions[2]) and held(r, 1) == digest_of(versions[1])
+            assert held(r, 2) == digest_of(versions[2])
+            assert [digest_of(t) for t in caught_up(r, 2)] == [digest_of(versions[2])] * 2
         res = fresh.refit()
         assert res.record.version == 3 and res.retries == 0
         assert set(res.record.digests.values()) == {digest_of(versions[3])}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,24 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
     return sorted(
         n for n in a.keys() | b.keys() if n not in a or n not in b or not bits_equal(a[n], b[n])
     )
+
+
+def caught_up(root: Path, version: int, timeout_s: float = 30.0) -> list[dict[str, torch.Tensor]]:
+    """Both slots' tensors once they hold committed `version` cleanly (a receiver catches the
+    lagging slot up in the background after each commit; nothing else may write the root
+    meanwhile)."""
+    from shared_codec.replica import read_status
+    from shared_codec.replica.state import SlotStatus
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = read_status(root)
+        if st.committed == version and all(
+            s.status == SlotStatus.CLEAN and s.version == version for s in st.slots
+        ):
+            return [load_checkpoint(root / f"slot{i}") for i in (0, 1)]
+        assert time.monotonic() < deadline, f"{root}: not caught up to v{version}: {st}"
+        time.sleep(0.05)
 
 
 def other_files(directory: Path) -> dict[str, bytes]:

@@ -29,6 +29,7 @@ from shared_codec.replica.service import ReplicaService
 from shared_codec.transport.store import DirectoryStore
 from tests.unit.shared_codec.replica_cases import (
     LineageOwners,
+    caught_up,
     lineage_of,
     other_files,
     same_bits,
@@ -104,15 +105,18 @@ def test_coordinator_drives_the_replica_over_http(served, lineage, initial, tmp_
     size = sum(f.stat().st_size for f in got.rglob("*") if f.is_file())
     assert handle.status()["served"] == {"leases": 1, "bytes": size}
     # a URL dense-load path: downloaded into a temporary directory, removed afterwards
-    with local_checkpoint(handle.checkpoint_for(1)) as path:
-        assert same_bits(load_checkpoint(path), lineage[1]) == []
+    with local_checkpoint(handle.checkpoint_for(2)) as path:
+        assert same_bits(load_checkpoint(path), lineage[2]) == []
     assert not Path(path).exists()
     with local_checkpoint(str(got)) as same:  # a directory is itself
         assert same == str(got)
-    # a version the replica no longer holds: refused, nothing left behind
-    with pytest.raises(ReplicaError, match="version 0 is not held"):
-        download(handle.checkpoint_for(0), tmp_path / "dl0")
-    assert not (tmp_path / "dl0").exists()
+    # a version the replica no longer holds (v1: its slot caught up to v2 after the commit):
+    # refused, nothing left behind
+    caught_up(rx.root, 2)
+    for v in (0, 1):
+        with pytest.raises(ReplicaError, match=f"version {v} is not held"):
+            download(handle.checkpoint_for(v), tmp_path / f"dl{v}")
+        assert not (tmp_path / f"dl{v}").exists()
 
 
 def test_ranges_leases_and_refusals(served) -> None:
@@ -142,12 +146,12 @@ def test_ranges_leases_and_refusals(served) -> None:
 
 
 def test_a_lease_holds_its_slot_against_a_stage(served, lineage) -> None:
-    """Version 1 committed: the shadow slot holds version 0, the next stage writes it. Leased
-    over HTTP, that stage waits out its lease timeout and fails (nothing changed); released,
-    the retry commits."""
+    """Version 0 leased over HTTP, then version 1 committed: the slot holding version 0 cannot
+    catch up after the commit (the receiver does not wait) and the next stage, which must write
+    it, waits out its lease timeout and fails (nothing changed); released, the retry commits."""
     rx, service, handle, coord, owners = served
-    coord.refit()
     lease = _lease(service.url, 0)
+    coord.refit()
     owners.build(2, 0, False)
     ack = handle.apply(2, 0, 10.0)
     assert not ack.ok and "LeaseHeld" in (ack.error or "") and "http 127.0.0.1" in ack.error

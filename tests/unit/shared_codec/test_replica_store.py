@@ -4,7 +4,8 @@ checkpoint), real payloads from the codec's encoder, oracles by stored bits.
 Bootstrap and five stage/commit transitions (XOR, overwrite, mixed) bit-exact against
 `records.apply_items`; overwrite retries after a partial attempt; abort; refusals of stale,
 duplicate, foreign, corrupt and truncated payloads that change nothing; leases; recovery from
-a dirty slot whose log record is missing or torn. Crash points are killed for real in
+a dirty slot whose log record is missing or torn; the log record is the attempt's payloads,
+replayed after a restart; the catch-up after a commit. Crash points are killed for real in
 tests/integration/shared_codec/test_replica_kill.py."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shared_codec.errors import (
 )
 from shared_codec.records import Kind, make_item
 from shared_codec.replica import ReplicaStore, lease
-from shared_codec.replica.log import LogCorrupt, read_record, record_name
+from shared_codec.replica.log import LogCorrupt, decode_record, read_record, record_name
 from shared_codec.replica.state import STATE_FILE, SlotStatus
 from tests.unit.shared_codec.replica_cases import (
     applied,
@@ -185,6 +186,59 @@ def test_abort(store, lineage) -> None:
     store.stage(2, 1, payloads(lineage, 2, attempt=1))
     store.commit(2)
     assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+
+
+def test_catch_up_after_commit(store, lineage) -> None:
+    store.stage(1, 0, payloads(lineage, 1))
+    store.commit(1)
+    assert store.status().slots[1 - store.status().committed_slot].version == 0  # lags
+    with lease(store.root, 0, holder="reader"):  # a reader of version 0 keeps it
+        before = snapshot(store.root)
+        with pytest.raises(LeaseHeld):
+            store.catch_up(lease_timeout_s=0.1)
+        assert snapshot(store.root) == before
+    assert store.catch_up() is True
+    st = store.status()
+    assert [(s.status, s.version) for s in st.slots] == [(SlotStatus.CLEAN, 1)] * 2
+    assert same_bits(load_checkpoint(store.root / "slot0"), lineage[1]) == []
+    with pytest.raises(ReplicaError, match="version 0 is not held"):
+        store.checkpoint_for(0)
+    assert store.catch_up() is False  # nothing lags
+    store.stage(2, 0, payloads(lineage, 2, kind="mixed"))
+    assert store.catch_up() is False  # a staged shadow is not touched
+    store.commit(2)
+    assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+    assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def test_the_log_record_is_the_payloads(tmp_path, initial, lineage) -> None:
+    root = tmp_path / "root"
+    sent = payloads(lineage, 1, kind="mixed")
+    with ReplicaStore(root) as store:
+        store.bootstrap(initial)
+        store.stage(1, 0, sent)
+    path = root / "log" / record_name(1, 0)
+    assert read_record(root / "log", 1, 0).payloads == tuple(sent)
+    assert sum(map(len, sent)) < path.stat().st_size < sum(map(len, sent)) + 512
+    # reopened, the store has no memory of what the attempt wrote: its abort decodes the
+    # payloads from the log again and copies the committed bits back (no whole-slot copy)
+    with ReplicaStore(root) as store:
+        assert store.abort(1, 0) is True
+        assert store.copies == 0
+        assert same_bits(load_checkpoint(root / "slot1"), lineage[0]) == []
+        store.stage(1, 1, payloads(lineage, 1, attempt=1))
+        store.commit(1)
+    with ReplicaStore(root) as store:  # the lagging slot catches up from the log too
+        assert store.catch_up() is True and store.copies == 0
+        assert same_bits(load_checkpoint(root / "slot0"), lineage[1]) == []
+    # a record of another format (format 1 held old and new bits) is never replayed
+    data = bytearray(path.with_name(record_name(1, 1)).read_bytes())
+    data[4] = 1
+    with pytest.raises(LogCorrupt, match="checksum"):
+        decode_record(bytes(data), version=1, attempt=1)
+    body = bytes(data[:-32])
+    with pytest.raises(LogCorrupt, match=r"format \(1, this store reads 2\)"):
+        decode_record(body + hashlib.blake2b(body, digest_size=32).digest(), version=1, attempt=1)
 
 
 def _flip(data: bytes, at: int) -> bytes:
