@@ -3,11 +3,14 @@ current by applying the refit payloads in canonical coordinates (no vLLM, no Meg
 restores and late joins load from it instead of a trainer export (issue 31; docs/replica.md).
 
 Modules, one concept each:
-- `store.py`: `ReplicaStore` (bootstrap, stage, abort, commit, recover, checkpoint_for, lease,
-  digest) and the fsync discipline;
-- `transition.py`: an attempt's payloads -> validated log record (changed indices, old and new
-  bits per tensor);
-- `log.py`: the write-ahead log record format (checksummed, written before any slot write);
+- `store.py`: `ReplicaStore` (bootstrap, stage, abort, commit, checkpoint_for, lease, digest)
+  and the discipline (what is durable when);
+- `recovery.py`: its recovery and slot repair (undo, catch-up, sync of an unsynced commit,
+  redo from the log after a restart);
+- `transition.py`: an attempt's payloads -> validated changes (indices and new bits per
+  tensor), and what a record read back from the log touches;
+- `log.py`: the write-ahead log record (the attempt's payloads, checksummed, written before any
+  slot write);
 - `bootstrap.py`: the initial copy into both slots;
 - `crash.py`: the named crash points (a test-only hook kills a writer there);
 - `state.py`: ``STATE.json`` (committed version and slot, what each slot holds), replaced

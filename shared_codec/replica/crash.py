@@ -20,9 +20,11 @@ CRASH_POINTS = (
     "undo_partial",  # an overwrite retry: part of the previous attempt undone
     "catchup_partial",  # a lagging shadow: part of the committed record replayed
     "apply_partial",  # part of the attempt's new bits written
-    "slot_written",  # the shadow written and fsynced, STATE.json still dirty
+    "slot_written",  # the shadow written (not synced: the log redoes it), STATE.json dirty
     "staged_tmp", "staged",  # STATE.json: shadow staged
     "committed_tmp", "committed",  # commit: STATE.json flipped (old records not yet removed)
+    "synced_tmp", "synced",  # the committed slot fsynced, STATE.json: it is durable
+    "redo_partial",  # recovery: part of a staged or committed attempt written again from the log
     "repair_partial",  # abort or recovery: part of the undo written
     "clean_tmp", "clean",  # STATE.json: shadow clean again
 )  # fmt: skip

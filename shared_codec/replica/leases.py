@@ -4,8 +4,9 @@
 Discipline (docs/replica.md, "Leases"):
 1. A lease is a shared ``flock`` on ``leases/slot<i>.lock``; the store takes the exclusive lock
    of the shadow slot before it dirties it (stage, abort, the repair of a dirty slot) and keeps
-   it until the slot's state is durable again (staged or clean). The committed slot is never
-   written, so its leases never wait on anything.
+   it until the slot's state is staged or clean again. The committed slot is written only by a
+   restart's redo; a lease of it waits only while its commit is not durable yet (a receiver's
+   commit syncs in the background), within the lease's timeout.
 2. `lease(root, version)` finds the slot holding `version` cleanly in ``STATE.json``, takes the
    shared lock, then reads ``STATE.json`` again under the lock: the slot must still hold the
    version cleanly, or the lease is refused (`ReplicaError`). While the lease is held, the
@@ -124,15 +125,29 @@ def lease(
     """Hold the slot holding `version` cleanly and yield its directory (module docstring).
 
     `ReplicaError` when no slot holds `version` (before or after taking the lock: the version
-    moved on), or when the lock was not granted within `timeout_s` (the slot is being written).
+    moved on), or when it is not durable and the lock granted within `timeout_s` (a commit
+    not synced yet; the slot being written).
     Any process may take a lease; it needs read access to the root and write access to
     ``leases/``.
     """
     root = Path(root)
+    deadline = time.monotonic() + max(0.0, timeout_s)
     state = load_state(root)
     if state is None:
         raise ReplicaError(f"lease: {root} holds no replica (not bootstrapped)")
     slot = state.holding(version)
+    while state is not None and slot is not None and state.slots[slot].touched:  # not durable
+        if time.monotonic() >= deadline:
+            raise ReplicaError(
+                f"lease: version {version} of {root} is committed but its slot is not durable "
+                f"yet (the replica syncs it after the commit, or redoes it when it restarts); "
+                f"not granted within {timeout_s:g} s"
+            )
+        time.sleep(_POLL_S)
+        state = load_state(root)
+        slot = None if state is None else state.holding(version)
+    if state is None:
+        raise ReplicaError(f"lease: {root} holds no replica (not bootstrapped)")
     if slot is None:
         raise ReplicaError(
             f"lease: version {version} is not held by {root} (committed version "
@@ -141,13 +156,13 @@ def lease(
     fd = os.open(lock_path(root, slot), os.O_RDWR | os.O_CREAT, 0o644)
     tag = root / LEASE_DIR / f"slot{slot}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
     try:
-        if not _try_lock(fd, fcntl.LOCK_SH, timeout_s):
+        if not _try_lock(fd, fcntl.LOCK_SH, deadline - time.monotonic()):
             raise ReplicaError(
                 f"lease: slot {slot} of {root} (version {version}) is being written; not granted "
                 f"within {timeout_s:g} s"
             )
         again = load_state(root)
-        if again is None or again.holding(version) != slot:
+        if again is None or again.holding(version) != slot or again.slots[slot].touched:
             raise ReplicaError(
                 f"lease: version {version} left slot {slot} of {root} before the lease was "
                 f"granted (committed version {again.committed if again else None})"

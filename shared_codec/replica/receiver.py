@@ -183,7 +183,7 @@ class ReplicaReceiver:
 
     def commit(self, version: int) -> None:
         with self._lock:
-            if not self.store.commit(version):
+            if not self.store.commit(version, sync=False):  # synced by the catch-up below
                 return
             self._fenced.clear()  # attempt ids start again for the next version
         self._start_catch_up()
@@ -194,9 +194,10 @@ class ReplicaReceiver:
             ).start()
 
     def _start_catch_up(self) -> None:
-        """The next stage would first bring the lagging slot to the committed version: do it
-        now, in the background, off the refit's critical path (a stage that comes first does
-        it itself, under the lock)."""
+        """In the background, off the refit's critical path: make the committed slot durable
+        (`sync_committed`) and bring the lagging slot to the committed version (`catch_up`),
+        both of which the next stage would otherwise do first (a stage that comes first does
+        them itself, under the lock)."""
         threading.Thread(target=self._catch_up, name="dcr-replica-catch-up", daemon=True).start()
 
     def _catch_up(self) -> None:

@@ -6,13 +6,14 @@ from, and per slot what its files hold:
 
 | status | `version` | meaning |
 |---|---|---|
-| `clean` | the version held | the slot's files are exactly that version (committed or committed - 1) |
-| `staged` | committed | the files are `target` = committed + 1 as `attempt` wrote it, completely and durably |
+| `clean` | the version held | the slot's files are exactly that version (committed or committed - 1); on the committed slot, a non-empty `touched` names the attempts of the committed version whose writes may not be durable yet (redone from the log, the other slot as the base, after a crash) |
+| `staged` | committed | the files are `target` = committed + 1 as `attempt` wrote it, completely; `touched`: the attempts whose writes may not be durable yet (redone from the log after a crash), empty when they are |
 | `dirty` | the clean version it was written from | the files are a mixture: the records of `target` named by `touched` (and, when `version` lags the committed one, the committed record's replay) may have written part of them |
 
 Invariants (checked on every load, `ReplicaError` otherwise): the committed slot is `clean` at
 the committed version; the other slot (the shadow) is `clean` at the committed version or one
-before it, or `staged` / `dirty` towards committed + 1.
+before it, or `staged` / `dirty` towards committed + 1; while the committed slot is not
+durable, the shadow is `clean` at committed - 1 (its redo base).
 """
 
 from __future__ import annotations
@@ -104,12 +105,22 @@ class ReplicaState:
             bad = f"committed_slot {self.committed_slot}"
         elif not c.holds(self.committed):
             bad = f"committed slot {self.committed_slot} is {c}"
+        elif c.touched and not (
+            s.status == SlotStatus.CLEAN
+            and s.version == self.committed - 1
+            and c.touched[-1] == self.committed_attempt
+        ):
+            bad = f"committed slot {self.committed_slot} is not durable and its base is {s}"
         elif s.status == SlotStatus.CLEAN:
             if s.version not in (self.committed, self.committed - 1):
                 bad = f"shadow slot holds version {s.version}"
         elif s.target != self.committed + 1:
             bad = f"shadow slot targets version {s.target}"
-        elif s.status == SlotStatus.STAGED and (s.version != self.committed or s.attempt is None):
+        elif s.status == SlotStatus.STAGED and (
+            s.version != self.committed
+            or s.attempt is None
+            or (s.touched and s.touched[-1] != s.attempt)
+        ):
             bad = f"shadow slot staged from version {s.version}, attempt {s.attempt}"
         elif s.status == SlotStatus.DIRTY and s.version not in (self.committed, self.committed - 1):
             bad = f"dirty shadow slot from version {s.version}"

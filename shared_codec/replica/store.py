@@ -18,24 +18,35 @@ then per transition ``stage(v, a, payloads)`` (again with a new attempt for an o
 then ``commit(v)`` or ``abort(v, a)``. Readers use ``with lease(root, v) as path:`` from any
 process, or `ReplicaStore.lease`.
 
-Fsync discipline of `stage` (every step durable before the next starts; a crash at any point
-leaves the committed slot untouched and `recover` finishes the rest):
+Discipline of `stage` (a write-ahead log with redo: every step is durable before the next
+starts, except the slot's own writes, which the log redoes; a crash at any point leaves the
+committed version readable and `recover` finishes the rest):
 1. decode and validate every payload, read the committed bits: nothing written yet;
-2. take the shadow's write lock (waits for its leases, `LeaseHeld` past the timeout);
+2. make the committed slot durable if its commit left it unsynced (`sync_committed`), take
+   the shadow's write lock (waits for its leases, `LeaseHeld` past the timeout), repair a
+   dirty shadow and catch up a lagging one (durably: msync + fsync);
 3. write the log record (the attempt's payloads as received, log.py) to a temporary file,
    fsync, rename, fsync ``log/``;
 4. replace ``STATE.json`` (temporary, fsync, rename, fsync root): shadow `dirty`, naming the
    records that may now write it;
-5. write the shadow in place through memory maps: undo a previously staged attempt and, when
-   the shadow lags one version, catch up (both: the committed slot's bits copied at the
-   elements the records name), then the attempt's new bits; msync + fsync every written file;
-6. replace ``STATE.json``: shadow `staged` (version, attempt); stage returns after this, so its
-   ACK is durable: a replica restarted before the commit can still commit the attempt.
-`commit(v)` is one ``STATE.json`` replacement (the shadow becomes the committed slot; the old
-one holds v - 1 and catches up at the next stage). `abort` and the repair of a `dirty` slot
-mark it dirty, copy the committed bits at every element the records name, fsync, and mark it
-clean at the committed version. A record that is missing or torn when a repair needs it makes the repair copy the
-committed slot's files over the shadow's instead (each file atomically), which is always right.
+5. write the shadow in place through memory maps: undo a previously staged attempt (the
+   committed slot's bits copied at the elements its record names), then the attempt's new
+   bits; no msync: what reached the page cache may not have reached the disk;
+6. replace ``STATE.json``: shadow `staged` (version, attempt), `touched` naming the attempts
+   whose writes may not be durable; stage returns after this, so its ACK is durable: a replica
+   restarted before the commit redoes the writes from the log (`_redo`: the committed slot's
+   bits at every element those records name, then the attempt's new bits computed again from
+   the committed ones; msync + fsync) and can still commit the attempt.
+`commit(v)` is one ``STATE.json`` replacement (the shadow becomes the committed slot, with the
+`touched` of its stage; the old one holds v - 1 and is its redo base), then, unless
+``sync=False`` (the receiver's: off the refit's critical path), `sync_committed`: fsync the
+slot's files, and ``STATE.json`` says it is durable. Leases of a committed version wait until
+it is durable; nothing writes the redo base before. `catch_up` (the receiver runs it after
+each commit, in the background) syncs, then brings the lagging slot to the committed version.
+`abort`, the catch-up and the repair of a `dirty` slot mark it dirty, copy the committed bits
+at every element the records name, fsync, and mark it clean at the committed version. A record
+that is missing or torn when a repair needs it makes the repair copy the committed slot's files
+over the shadow's instead (each file atomically), which is always right.
 
 What each crash point leaves, and what `recover` does, is the table in docs/replica.md; the
 points are named in `CRASH_POINTS` and tests/integration/shared_codec/test_replica_kill.py kills
@@ -56,27 +67,26 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from shared_codec.checkpoint import combined_digest
 from shared_codec.errors import ArgumentError, ProtocolError, ReplicaError
 from shared_codec.replica import durable, leases
-from shared_codec.replica.bootstrap import LOG_DIR, copy_initial
+from shared_codec.replica.bootstrap import copy_initial
 from shared_codec.replica.crash import CRASH_POINTS
 from shared_codec.replica.crash import at as _at
 from shared_codec.replica.digests import DigestCache, slot_reader
 from shared_codec.replica.layout import SlotFiles, TensorLoc, read_layout
-from shared_codec.replica.log import LogCorrupt, Touched, prune_records, write_record
+from shared_codec.replica.log import LogCorrupt, Touched, write_record
+from shared_codec.replica.recovery import SlotRecovery, unsynced
 from shared_codec.replica.state import (
     STATE_FILE,
     ReplicaState,
     ReplicaStatus,
     SlotState,
     SlotStatus,
-    load_state,
-    save_state,
     slot_dir,
 )
 from shared_codec.replica.transition import (
@@ -84,14 +94,13 @@ from shared_codec.replica.transition import (
     StageResult,
     build_changes,
     decode_attempt,
-    read_touched,
 )
 from shared_codec.replica.transition import nonneg as _nonneg
 
 log = logging.getLogger("dcr.replica")
 
 
-class ReplicaStore:
+class ReplicaStore(SlotRecovery):
     """The canonical replica's storage (module docstring). Not thread-safe: one caller."""
 
     def __init__(
@@ -140,30 +149,6 @@ class ReplicaStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- paths and state -------------------------------------------------------------------
-
-    @property
-    def log_dir(self) -> Path:
-        return self.root / LOG_DIR
-
-    def _need(self) -> ReplicaState:
-        if self._state is None:
-            raise ProtocolError(f"{self.root}: the replica is not bootstrapped (call bootstrap)")
-        return self._state
-
-    def _save(self, state: ReplicaState, point: str) -> None:
-        save_state(self.root, state, before_rename=lambda: _at(f"{point}_tmp"))
-        self._state = state
-        _at(point)
-
-    def _layout_of(self, state: ReplicaState) -> dict[str, TensorLoc]:
-        if self._layout is None:
-            self._layout = read_layout(slot_dir(self.root, state.committed_slot))
-        return self._layout
-
-    def status(self) -> ReplicaStatus:
-        return ReplicaStatus.of(self.root, self._need())
 
     # -- bootstrap ---------------------------------------------------------------------------
 
@@ -236,9 +221,12 @@ class ReplicaStore:
         with SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as old:
             changes = build_changes(decoded, attempt=attempt, committed=old)
         what = f"stage({version}, {attempt})"
+        self.sync_committed()  # the shadow is the committed slot's redo base until then
         with self._writing(st.shadow, lease_timeout_s, what):
             if self._need().slots[st.shadow].status == SlotStatus.DIRTY:
                 self._repair()
+            if self._lags():  # no catch-up ran since the commit: do it first, durably
+                self._catch_up_locked()
             st = self._need()
             sh = st.slots[st.shadow]
             write_record(
@@ -250,9 +238,7 @@ class ReplicaStore:
                 Touched(name=c.name, indices=c.indices) for c in changes
             )
             _at("log")
-            prev = (
-                (sh.attempt,) if sh.status == SlotStatus.STAGED and sh.attempt is not None else ()
-            )
+            prev = unsynced(sh) if sh.status == SlotStatus.STAGED else ()
             dirty = SlotState(
                 status=SlotStatus.DIRTY, version=sh.version, target=version,
                 touched=(*prev, attempt),
@@ -260,8 +246,9 @@ class ReplicaStore:
             self._save(st.with_slot(st.shadow, dirty), "dirty")
             self._write_shadow(st, dirty, changes)
             staged = SlotState(
-                status=SlotStatus.STAGED, version=st.committed, target=version, attempt=attempt
-            )
+                status=SlotStatus.STAGED, version=st.committed, target=version, attempt=attempt,
+                touched=dirty.touched,
+            )  # fmt: skip
             self._save(st.with_slot(st.shadow, staged), "staged")
             self._prune()
         self._digests.staged(version, attempt, (c.name for c in changes))
@@ -278,9 +265,9 @@ class ReplicaStore:
     def _write_shadow(
         self, st: ReplicaState, dirty: SlotState, changes: tuple[Change, ...]
     ) -> None:
-        """Bring the dirty shadow to the committed version (undo a previously staged attempt,
-        catch up; or copy the committed slot when a record is unusable), write the attempt's
-        staged bits, fsync."""
+        """Undo a previously staged attempt in the dirty shadow (or copy the committed slot
+        when its record is unusable), write the attempt's staged bits; not synced (the log
+        redoes them: `_redo_staged`)."""
         layout = self._layout_of(st)
         with (
             SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files,
@@ -295,90 +282,12 @@ class ReplicaStore:
                 files.put(c.name, c.indices, c.new)
                 if i == 0:
                     _at("apply_partial")
-            files.sync()
         _at("slot_written")
-
-    def _touched(self, version: int, attempt: int) -> tuple[Touched, ...]:
-        """What the record of (`version`, `attempt`) may have written: from memory when this
-        store wrote it, else read back from the log (`LogCorrupt` when unusable)."""
-        got = self._recent.get((version, attempt))
-        if got is not None:
-            return got
-        return read_touched(
-            self.log_dir, version, attempt, layout=self._layout_of(self._need()), key=self.key
-        )
-
-    def _undo(
-        self,
-        files: SlotFiles,
-        committed: SlotFiles,
-        st: ReplicaState,
-        slot: SlotState,
-        attempts: tuple[int, ...],
-        point: str,
-    ) -> None:
-        """Overwrite everything that may differ from the committed version in a shadow in state
-        `slot` with the committed slot's bits: the elements `attempts` of its target touched,
-        then, when it lags one version, those the committed transition changed. Idempotent
-        (copies of committed bits only); `LogCorrupt` when a record it needs is unusable (the
-        files may be partly written)."""
-        for a in attempts:
-            assert slot.target is not None
-            for i, t in enumerate(self._touched(slot.target, a)):
-                files.put(t.name, t.indices, committed.read(t.name, t.indices))
-                if i == 0:
-                    _at(point)
-        if slot.version < st.committed:
-            assert st.committed_attempt is not None, "a lagging slot at the bootstrap version"
-            for i, t in enumerate(self._touched(st.committed, st.committed_attempt)):
-                files.put(t.name, t.indices, committed.read(t.name, t.indices))
-                if i == 0:
-                    _at("catchup_partial")
-
-    def _copy_committed(self, st: ReplicaState, why: LogCorrupt) -> None:
-        """Make the shadow's files the committed slot's, file by file, each atomically (the
-        allowed fallback when a record is unusable: logged and counted in `copies`)."""
-        src, dst = slot_dir(self.root, st.committed_slot), slot_dir(self.root, st.shadow)
-        self.copies += 1
-        log.warning(
-            "%s: %s; copying slot %d over slot %d", self.root, why, st.committed_slot, st.shadow
-        )
-        for rel in durable.files_of(src):
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            durable.copy_file(src / rel, dst / rel)
-
-    def _repair(self) -> None:
-        """Bring a dirty (or, for abort, staged) shadow back to clean at the committed version;
-        the caller holds the shadow's write lock."""
-        st = self._need()
-        sh = st.slots[st.shadow]
-        if sh.status == SlotStatus.STAGED:
-            assert sh.attempt is not None
-            sh = SlotState(
-                status=SlotStatus.DIRTY, version=sh.version, target=sh.target,
-                touched=(sh.attempt,),
-            )  # fmt: skip
-            self._save(st.with_slot(st.shadow, sh), "dirty")
-        layout = self._layout_of(st)
-        with (
-            SlotFiles(slot_dir(self.root, st.shadow), layout, write=True) as files,
-            SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as committed,
-        ):
-            try:
-                self._undo(files, committed, st, sh, sh.touched, "repair_partial")
-                files.sync()
-            except LogCorrupt as e:
-                files.close()
-                self._copy_committed(st, e)
-        clean = SlotState(status=SlotStatus.CLEAN, version=st.committed)
-        self._save(st.with_slot(st.shadow, clean), "clean")
-        self._digests.unstaged()
-        self._prune()
 
     def abort(self, version: int, attempt: int, *, lease_timeout_s: float | None = None) -> bool:
         """Undo attempt `attempt` of `version` in the shadow (the committed bits copied back)
-        and mark the shadow clean at the committed version. True when something was undone; False (nothing
-        changed) when that attempt is not staged."""
+        and mark the shadow clean at the committed version. True when something was undone;
+        False (nothing changed) when that attempt is not staged."""
         version = _nonneg(version, "abort: version")
         attempt = _nonneg(attempt, "abort: attempt")
         st = self._need()
@@ -392,10 +301,13 @@ class ReplicaStore:
             self._repair()
         return True
 
-    def commit(self, version: int, attempt: int | None = None) -> bool:
+    def commit(self, version: int, attempt: int | None = None, *, sync: bool = True) -> bool:
         """Make the staged `version` (of `attempt`, when given) the committed one: one atomic
-        ``STATE.json`` replacement. True when it committed; False when `version` is already
-        committed (a repeated commit). `ProtocolError` (nothing changed) when it is not staged."""
+        ``STATE.json`` replacement, then (`sync`) `sync_committed`. With ``sync=False`` the
+        slot's files are made durable later (`sync_committed`, `catch_up`, the next stage, or
+        recovery's redo from the log); leases of the version wait for it. True when it
+        committed; False when `version` is already committed (a repeated commit).
+        `ProtocolError` (nothing changed) when it is not staged."""
         version = _nonneg(version, "commit: version")
         st = self._need()
         if version == st.committed and attempt in (None, st.committed_attempt):
@@ -418,76 +330,15 @@ class ReplicaStore:
             committed_attempt=sh.attempt,
             bootstrap=st.bootstrap,
             slots=st.slots,
-        ).with_slot(st.shadow, SlotState(status=SlotStatus.CLEAN, version=version))
+        ).with_slot(
+            st.shadow, SlotState(status=SlotStatus.CLEAN, version=version, touched=sh.touched)
+        )
         self._save(new, "committed")
         self._digests.committed(version, sh.attempt)
         self._prune()
+        if sync:
+            self.sync_committed()
         return True
-
-    def catch_up(self, *, lease_timeout_s: float | None = None) -> bool:
-        """Bring a shadow that lags one version to the committed version now, what the next
-        `stage` would do first (the committed slot's bits copied at the elements the committed
-        transition changed; dirty, written, fsynced, clean), so that stage writes only its own
-        attempt. A receiver calls it after a commit, off the refit's critical path. True when
-        it caught up; False (nothing changed) when the shadow does not lag. The version the
-        shadow held (committed - 1) is no longer held afterwards: `LeaseHeld` while a lease
-        on it outlasts `lease_timeout_s` (default: the store's)."""
-        st = self._need()
-        sh = st.slots[st.shadow]
-        if sh.status != SlotStatus.CLEAN or sh.version == st.committed:
-            return False
-        with self._writing(st.shadow, lease_timeout_s, "catch_up"):
-            dirty = SlotState(status=SlotStatus.DIRTY, version=sh.version, target=st.committed + 1)
-            self._save(st.with_slot(st.shadow, dirty), "dirty")
-            self._repair()
-        return True
-
-    # -- recovery and housekeeping ---------------------------------------------------------------
-
-    def recover(self) -> ReplicaStatus | None:
-        """Make the root consistent after a crash at any point: remove temporaries, repair a
-        dirty shadow (undo from the log, or copy the committed slot), keep a staged one (its
-        commit may still come), remove records nothing needs. None for a root that was never
-        bootstrapped. The committed slot is only read."""
-        durable.remove_temporaries(self.root)
-        self._state = load_state(self.root)
-        self._layout = None
-        self._digests.reset()
-        self._recent = {}
-        st = self._state
-        if st is None:
-            return None
-        if st.slots[st.shadow].status == SlotStatus.DIRTY:
-            # a lease on a dirty slot is refused as soon as its holder reads STATE.json: wait
-            # out such a reader even when stages do not wait
-            with self._writing(st.shadow, max(self.lease_timeout_s, 5.0), "recover"):
-                self._repair()
-        self._prune()
-        for slot in (0, 1):
-            leases.holders(self.root, slot)  # sweeps the files of dead lease holders
-        return self.status()
-
-    def _prune(self) -> None:
-        """Remove the records no state names: keep the committed transition's (the lagging
-        slot replays it) and the shadow's staged or touched attempts."""
-        st = self._need()
-        keep = set()
-        if st.committed_attempt is not None:
-            keep.add((st.committed, st.committed_attempt))
-        sh = st.slots[st.shadow]
-        if sh.target is not None:
-            keep.update((sh.target, a) for a in (*sh.touched, sh.attempt) if a is not None)
-        self._recent = {k: r for k, r in self._recent.items() if k in keep}
-        prune_records(self.log_dir, keep)
-
-    @contextmanager
-    def _writing(self, slot: int, timeout_s: float | None, what: str) -> Iterator[None]:
-        lock = leases.SlotWriteLock(self.root, slot)
-        lock.acquire(self.lease_timeout_s if timeout_s is None else float(timeout_s), what)
-        try:
-            yield
-        finally:
-            lock.release()
 
     # -- reads -------------------------------------------------------------------------------------
 

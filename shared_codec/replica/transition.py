@@ -142,20 +142,26 @@ def touched_of(decoded: Sequence[Payload]) -> tuple[Touched, ...]:
     return tuple(Touched(name=n, indices=_merged(by_tensor[n])[0]) for n in sorted(by_tensor))
 
 
-def read_touched(
-    log_dir: Path, version: int, attempt: int, *, layout: dict[str, TensorLoc], key: bytes | None
-) -> tuple[Touched, ...]:
-    """`touched_of` the record of (`version`, `attempt`) read back from the log, its payloads
-    decoded again (`LogCorrupt` when the record is missing, torn, foreign or refused)."""
+def read_decoded(
+    log_dir: Path, version: int, attempt: int, layout: dict[str, TensorLoc], key: bytes | None
+) -> list[Payload]:
+    """The payloads of the record of (`version`, `attempt`) read back from the log and decoded
+    again (`LogCorrupt` when the record is missing, torn, foreign or refused)."""
     rec = read_record(log_dir, version, attempt)
     try:
-        decoded = decode_attempt(
+        return decode_attempt(
             rec.payloads, version=version, attempt=attempt, base_version=rec.base_version,
             layout=layout, key=key,
         )  # fmt: skip
     except PayloadError as e:
         raise LogCorrupt(f"record v{version}/a{attempt}: a payload is refused: {e}") from None
-    return touched_of(decoded)
+
+
+def read_touched(
+    log_dir: Path, version: int, attempt: int, *, layout: dict[str, TensorLoc], key: bytes | None
+) -> tuple[Touched, ...]:
+    """`touched_of` the record of (`version`, `attempt`) read back from the log."""
+    return touched_of(read_decoded(log_dir, version, attempt, layout, key))
 
 
 def build_changes(

@@ -20,16 +20,19 @@ from shared_codec.replica import ReplicaStore, crash
 ENV = "DCR_REPLICA_KILL_AT"
 
 #: every crash point is reached at least once: stage with and without a lagging shadow, an
-#: overwrite retry over a partial attempt, an abort, three commits
+#: overwrite retry over a partial attempt, an abort, three commits (one left unsynced, as a
+#: receiver's), restarts that redo a staged and a committed attempt from the log
 SCRIPT: tuple[tuple[str, int, int], ...] = (
     ("stage", 1, 0),
     ("commit", 1, 0),
     ("stage", 2, 0),  # catches the lagging slot up; a partial attempt (owner 0 only)
     ("stage", 2, 1),  # the overwrite retry: undoes attempt 0 first
-    ("commit", 2, 1),
+    ("commit-unsynced", 2, 1),  # as a receiver commits: synced later
+    ("reopen", 2, 1),  # recovery redoes the committed slot (0 undone, 1 written), syncs it
     ("stage", 3, 0),  # a bogus attempt ...
     ("abort", 3, 0),  # ... aborted
     ("stage", 3, 1),
+    ("reopen", 3, 1),  # recovery redoes the staged attempt from the log
     ("commit", 3, 1),
 )
 
@@ -55,15 +58,21 @@ def arm(spec: str) -> None:
 
 
 def run(root: Path, cases: Path) -> None:
-    with ReplicaStore(root) as store:
+    store = ReplicaStore(root)
+    try:
         store.bootstrap(cases / "initial")
         for op, version, attempt in SCRIPT:
             if op == "stage":
                 store.stage(version, attempt, attempt_payloads(cases, version, attempt))
-            elif op == "commit":
-                store.commit(version, attempt)
+            elif op in ("commit", "commit-unsynced"):
+                store.commit(version, attempt, sync=op == "commit")
+            elif op == "reopen":
+                store.close()
+                store = ReplicaStore(root)
             else:
                 store.abort(version, attempt)
+    finally:
+        store.close()
 
 
 def main(argv: list[str]) -> int:

@@ -48,15 +48,20 @@ from tests.unit.shared_codec.replica_cases import (
 
 #: the default lane: one point of each phase (bootstrap, the record, the dirty mark, the
 #: catch-up, the retry's undo and its write with two attempts touched, the staged mark, the
-#: commit, the abort's repair and clean mark); every other point and arrival runs in `slow`
+#: commit, the abort's repair and clean mark, the sync, an unsynced commit, the redo of a
+#: staged and of a committed attempt after a restart); every other point and arrival runs in
+#: `slow`
 DEFAULT = (
     "bootstrap_slot0", "log", "dirty", "catchup_partial", "undo_partial", "apply_partial#3",
     "slot_written", "staged_tmp", "committed_tmp", "committed", "repair_partial", "clean_tmp",
+    "synced", "committed#2", "redo_partial", "redo_partial#2",
 )  # fmt: skip
 #: later arrivals at a point: the second stage (catch-up), the retry, the abort, later commits
+#: (#2: the unsynced one), the second redo (of the staged attempt)
 LATER = (
     "log#3", "dirty#2", "dirty#3", "dirty#5", "apply_partial#2", "apply_partial#3",
-    "slot_written#3", "staged#3", "staged_tmp#2", "committed_tmp#2", "committed#3",
+    "slot_written#3", "staged#3", "staged_tmp#2", "committed_tmp#2", "committed#2",
+    "committed#3", "redo_partial#2", "synced#2",
 )  # fmt: skip
 ALL_POINTS = (*CRASH_POINTS, *LATER)
 LAST = 4

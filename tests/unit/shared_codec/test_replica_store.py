@@ -5,7 +5,8 @@ Bootstrap and five stage/commit transitions (XOR, overwrite, mixed) bit-exact ag
 `records.apply_items`; overwrite retries after a partial attempt; abort; refusals of stale,
 duplicate, foreign, corrupt and truncated payloads that change nothing; leases; recovery from
 a dirty slot whose log record is missing or torn; the log record is the attempt's payloads,
-replayed after a restart; the catch-up after a commit. Crash points are killed for real in
+replayed after a restart; the catch-up after a commit; writes left unsynced by a stage or an
+unsynced commit, lost as in a power loss, redone from the log. Crash points are killed for real in
 tests/integration/shared_codec/test_replica_kill.py."""
 
 from __future__ import annotations
@@ -150,10 +151,14 @@ def test_overwrite_retry_after_partial_attempt(store, lineage) -> None:
         store.stage(1, 0, encode(partial, 1, 0))
     store.stage(1, 1, payloads(lineage, 1, attempt=1, kind="overwrite"))
     assert store.digest(1) == combined_digest(state_digests(lineage[1]))
-    assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(1, 1)]
+    # the undone attempt's record stays until the slot is durable (a redo undoes it again)
+    assert sorted(p.name for p in (store.root / "log").iterdir()) == [
+        record_name(1, 0), record_name(1, 1)
+    ]  # fmt: skip
     with pytest.raises(ProtocolError, match="attempt 0 is not staged"):
         store.commit(1, attempt=0)
     store.commit(1, attempt=1)
+    assert sorted(p.name for p in (store.root / "log").iterdir()) == [record_name(1, 1)]
     assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
     # version 2 catches the lagging slot up (replays version 1's record), then retries too
     store.stage(2, 0, payloads(lineage, 2, 0, "xor")[:2])
@@ -209,6 +214,47 @@ def test_catch_up_after_commit(store, lineage) -> None:
     store.commit(2)
     assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
     assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+
+
+def _lose_writes(slot_dir: Path, durable_dir: Path) -> None:
+    """Simulate a power loss that dropped every unsynced write of `slot_dir`: its tensor files
+    become what reached the disk, `durable_dir`'s (the version it held when last synced)."""
+    for f in sorted(durable_dir.glob("*.safetensors")):
+        (slot_dir / f.name).write_bytes(f.read_bytes())
+
+
+def test_a_restart_redoes_unsynced_writes_from_the_log(tmp_path, initial, lineage) -> None:
+    root = tmp_path / "root"
+    with ReplicaStore(root) as store:
+        store.bootstrap(initial)
+        store.stage(1, 0, payloads(lineage, 1))
+        assert store.status().shadow.touched == (0,)  # staged, not synced: the log redoes it
+        store.commit(1, sync=False)  # as a receiver commits: synced later, off the refit
+        st = store.status()
+        assert st.slots[st.committed_slot].touched == (0,)
+        with pytest.raises(ReplicaError, match="not durable yet"), lease(root, 1, timeout_s=0.2):
+            pass  # readers wait for the sync
+    c, base = root / f"slot{st.committed_slot}", root / f"slot{1 - st.committed_slot}"
+    _lose_writes(c, base)
+    assert same_bits(load_checkpoint(c), lineage[0]) == []
+    with ReplicaStore(root) as store:  # recovery: redone from the log (base: the other slot)
+        st = store.status()
+        assert st.committed == 1 and st.slots[st.committed_slot].touched == ()
+        assert same_bits(load_checkpoint(c), lineage[1]) == []
+        with store.lease(1) as path:
+            assert path == c
+        assert store.catch_up() is True
+        store.stage(2, 0, payloads(lineage, 2, kind="mixed"))
+    _lose_writes(base, c)  # the staged attempt's writes lost too: the shadow is v1 on disk
+    with ReplicaStore(root) as store:
+        st = store.status()
+        assert st.staged == 2 and st.shadow.touched == ()
+        assert same_bits(load_checkpoint(base), lineage[2]) == []
+        store.commit(2, sync=False)
+        assert store.sync_committed() is False  # the redo made it durable already
+        assert same_bits(load_checkpoint(store.checkpoint_for(2)), lineage[2]) == []
+        assert same_bits(load_checkpoint(store.checkpoint_for(1)), lineage[1]) == []
+        assert sorted(p.name for p in (root / "log").iterdir()) == [record_name(2, 0)]
 
 
 def test_the_log_record_is_the_payloads(tmp_path, initial, lineage) -> None:
