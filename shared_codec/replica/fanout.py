@@ -20,6 +20,7 @@ Limitations:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared_codec.transport.base import PayloadSource, SealedAttempt
@@ -39,10 +40,18 @@ class Forwarded:
 
 
 def relay_attempt(
-    source: PayloadSource, tree: TransportSpec, version: int, attempt: int, timeout_s: float
+    source: PayloadSource,
+    tree: TransportSpec,
+    version: int,
+    attempt: int,
+    timeout_s: float,
+    *,
+    each: Callable[[bytes], None] | None = None,
 ) -> Forwarded:
     """Stream (`version`, `attempt`) from `source` into the relay tree `tree` (module
-    docstring); the tree's completion acknowledgement has returned when this does."""
+    docstring); the tree's completion acknowledgement has returned when this does. `each`
+    is called with every payload after it is forwarded (the replica decodes it there); what
+    it raises abandons the attempt down the tree and is raised."""
     from shared_codec.transport.relay.sender import sender_for
 
     sender = sender_for(tree, tree.timeout_s or 60.0)
@@ -52,6 +61,8 @@ def relay_attempt(
             for p in source.stream(version, attempt, timeout_s):
                 sender.send(p)
                 payloads.append(p)
+                if each is not None:
+                    each(p)
             sealed = source.sealed(version, attempt, timeout_s)
         except Exception as e:  # stop the engines waiting on their spools, then fail
             try:

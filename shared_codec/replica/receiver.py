@@ -3,11 +3,12 @@ coordinator's `Engine` protocol over a `ReplicaStore` in this process; service.p
 over HTTP to a coordinator elsewhere, client.py is that coordinator's handle).
 
 Per transition, in the coordinator's order (docs/protocol.md, "The replica"):
-1. ``apply(v, a, timeout_s)``: read the attempt's sealed payload set from the rollout
-   cluster's payload source (the same transport spec the engines fetch from; the seal is
-   waited for, so a pipelined coordinator may call it while the owners still build), then
-   ``store.stage(v, a, payloads)``: validated, logged, written to the shadow slot and durable
-   before the ACK. An overwrite retry stages a new attempt, which undoes the previous one.
+1. ``apply(v, a, timeout_s)``: stream the attempt's payloads from the rollout cluster's
+   payload source as they arrive (the same transport spec the engines fetch from, until the
+   seal: a pipelined coordinator calls it while the owners still build), decoding and
+   validating each one on arrival (`ReplicaStore.decoder`), then ``store.stage(v, a,
+   payloads, decoded=...)``: logged, written to the shadow slot and durable before the ACK.
+   An overwrite retry stages a new attempt, which undoes the previous one.
 2. ``commit(v)``: the staged version becomes the committed one (idempotent); then, in the
    background, the other slot catches up to `v` (`ReplicaStore.catch_up`), so the next stage
    writes only its own attempt.
@@ -46,10 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from shared_codec.coordination.protocol import EngineAck, RankAck
-from shared_codec.errors import ProtocolError, ReplicaError
+from shared_codec.errors import PayloadError, ProtocolError, ReplicaError
 from shared_codec.replica.fanout import relay_attempt
 from shared_codec.replica.state import ReplicaStatus
 from shared_codec.replica.store import ReplicaStore
+from shared_codec.replica.transition import AttemptDecoder
 from shared_codec.transport.spec import Role, TransportSpec
 
 log = logging.getLogger("dcr.replica")
@@ -140,23 +142,34 @@ class ReplicaReceiver:
             )  # fmt: skip
         if attempt in self._fenced:
             return self._failed(version, attempt, f"attempt {attempt} is fenced (aborted)")
+        with self._lock:
+            decoder = self.store.decoder(version, attempt)
+        with decoder:
+            return self._stream_and_stage(decoder, version, attempt, timeout_s, t0)
+
+    def _stream_and_stage(
+        self, decoder: AttemptDecoder, version: int, attempt: int, timeout_s: float, t0: float
+    ) -> EngineAck:
+        fenced = lambda: attempt in self._fenced  # noqa: E731 - polled by the stream
         try:
             source = self.source.open_source(key=self.key)
             if self.fanout is not None:  # the cluster's one fetcher: forward as it reads
-                payloads = list(
-                    relay_attempt(source, self.fanout, version, attempt, timeout_s).payloads
-                )
+                relay_attempt(source, self.fanout, version, attempt, timeout_s, each=decoder.add)
             else:
-                payloads = list(source.fetch(version, attempt, timeout_s))
+                for data in source.stream(version, attempt, timeout_s, cancelled=fenced):
+                    decoder.add(data)  # decoded and validated as it arrives
+        except PayloadError as e:
+            return self._failed(version, attempt, f"stage: {type(e).__name__}: {e}")
         except Exception as e:  # transport: missing, abandoned, timed out
             return self._failed(version, attempt, f"fetch: {type(e).__name__}: {e}")
+        payloads = decoder.payloads
         self.bytes_in += sum(len(p) for p in payloads)
         fetched = time.perf_counter()
         with self._lock:
-            if attempt in self._fenced:  # fenced while it fetched: a late attempt
+            if fenced():  # fenced while it fetched: a late attempt
                 return self._failed(version, attempt, f"attempt {attempt} is fenced (aborted)")
             try:
-                res = self.store.stage(version, attempt, payloads)
+                res = self.store.stage(version, attempt, payloads, decoded=decoder)
             except Exception as e:
                 return self._failed(version, attempt, f"stage: {type(e).__name__}: {e}")
         done = time.perf_counter()

@@ -90,10 +90,9 @@ from shared_codec.replica.state import (
     slot_dir,
 )
 from shared_codec.replica.transition import (
+    AttemptDecoder,
     Change,
     StageResult,
-    build_changes,
-    decode_attempt,
 )
 from shared_codec.replica.transition import nonneg as _nonneg
 
@@ -182,22 +181,40 @@ class ReplicaStore(SlotRecovery):
 
     # -- stage / abort / commit ----------------------------------------------------------------
 
+    def decoder(self, version: int, attempt: int) -> AttemptDecoder:
+        """An `AttemptDecoder` for the next version's attempt against this store's committed
+        version: fed payload by payload as they arrive (decoding, validating and computing the
+        staged bits of each), then passed to `stage` (``stage(v, a, decoder.payloads,
+        decoded=decoder)``), which then decodes nothing again. Close it (``with``)."""
+        st = self._need()
+        layout = self._layout_of(st)
+        return AttemptDecoder(
+            version=_nonneg(version, "decoder: version"),
+            attempt=_nonneg(attempt, "decoder: attempt"),
+            base_version=st.committed,
+            layout=layout,
+            key=self.key,
+            committed=SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False),
+        )
+
     def stage(
         self,
         version: int,
         attempt: int,
         payloads: Sequence[bytes],
         *,
+        decoded: AttemptDecoder | None = None,
         lease_timeout_s: float | None = None,
     ) -> StageResult:
         """Stage attempt `attempt` of `version` (= committed + 1) from its payloads into the
         shadow slot (fsync discipline: module docstring). A new attempt of a staged version
-        (an overwrite retry) first undoes the staged one.
+        (an overwrite retry) first undoes the staged one. `decoded`: the payloads already
+        decoded as they arrived (`decoder`; they must be `payloads`).
 
         Refusals change nothing: `ArgumentError` for a version that is not the next one or a
-        bad attempt, `ProtocolError` for an attempt already staged, `PayloadError` for a
-        payload refused (transition.py), `LeaseHeld` when the shadow stays leased past
-        `lease_timeout_s` (default: the store's)."""
+        bad attempt (or a `decoded` of another attempt or base), `ProtocolError` for an attempt
+        already staged, `PayloadError` for a payload refused (transition.py), `LeaseHeld` when
+        the shadow stays leased past `lease_timeout_s` (default: the store's)."""
         t0 = time.perf_counter()
         st = self._need()
         version = _nonneg(version, "stage: version")
@@ -214,12 +231,23 @@ class ReplicaStore(SlotRecovery):
                 "needs a new attempt id); nothing changed"
             )
         layout = self._layout_of(st)
-        decoded = decode_attempt(
-            list(payloads), version=version, attempt=attempt, base_version=st.committed,
-            layout=layout, key=self.key,
-        )  # fmt: skip
+        if decoded is None:
+            decoded = AttemptDecoder(
+                version=version, attempt=attempt, base_version=st.committed, layout=layout,
+                key=self.key,
+            )  # fmt: skip
+            for data in payloads:
+                decoded.add(data)
+        elif (decoded.version, decoded.attempt, decoded.base_version) != (
+            version, attempt, st.committed
+        ) or len(decoded.payloads) != len(payloads):  # fmt: skip
+            raise ArgumentError(
+                f"stage: decoded payloads of v{decoded.version}/a{decoded.attempt} over "
+                f"v{decoded.base_version} ({len(decoded.payloads)}), not of v{version}/"
+                f"a{attempt} over v{st.committed} ({len(payloads)}); nothing changed"
+            )
         with SlotFiles(slot_dir(self.root, st.committed_slot), layout, write=False) as old:
-            changes = build_changes(decoded, attempt=attempt, committed=old)
+            changes = decoded.changes(old)
         what = f"stage({version}, {attempt})"
         self.sync_committed()  # the shadow is the committed slot's redo base until then
         with self._writing(st.shadow, lease_timeout_s, what):
@@ -256,7 +284,7 @@ class ReplicaStore(SlotRecovery):
             version=version,
             attempt=attempt,
             base_version=st.committed,
-            payloads=len(decoded),
+            payloads=len(decoded.payloads),
             tensors=len(changes),
             elements=sum(int(c.indices.shape[0]) for c in changes),
             seconds=time.perf_counter() - t0,

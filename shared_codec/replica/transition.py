@@ -56,6 +56,113 @@ class StageResult:
     seconds: float
 
 
+class AttemptDecoder:
+    """Decode and validate an attempt's payloads one by one, as they arrive (module docstring,
+    1-4): a receiver decodes while it fetches, so its stage after the seal starts from decoded
+    payloads. `add` raises `PayloadError` naming the payload and field for one refused.
+
+    With `committed` (the committed slot, read-only; closed by `close`), `add` also computes
+    each item's staged bits from the committed ones, so `changes` only concatenates them; when
+    two items of a tensor may overlap (their index spans intersect: never for disjoint owners
+    and buckets), `changes` computes everything again in (owner, sequence) order
+    (`build_changes`), which also refuses an element XORed twice."""
+
+    def __init__(
+        self,
+        *,
+        version: int,
+        attempt: int,
+        base_version: int,
+        layout: dict[str, TensorLoc],
+        key: bytes | None,
+        committed: SlotFiles | None = None,
+    ) -> None:
+        self.version, self.attempt, self.base_version = version, attempt, base_version
+        self.layout, self.key, self.committed = layout, key, committed
+        self._sizes = {name: loc.numel for name, loc in layout.items()}
+        self._seen: dict[bytes, int] = {}
+        self._decoded: list[Payload] = []
+        # per tensor: (first index, last index, changed indices, their staged bits) per item
+        self._parts: dict[str, list[tuple[int, int, np.ndarray, np.ndarray]]] = {}
+        #: the payloads as received, in arrival order (what the log records)
+        self.payloads: list[bytes] = []
+
+    def __enter__(self) -> AttemptDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.committed is not None:
+            self.committed.close()
+
+    def add(self, data: bytes) -> None:
+        i = len(self.payloads)
+        p = decode_payload(data, key=self.key, destinations=self._sizes)
+        label = f"payload {p.header.payload_id_hex}"
+        if p.payload_id in self._seen:
+            raise PayloadError(
+                f"{label}: field payload_id: payloads[{i}] repeats "
+                f"payloads[{self._seen[p.payload_id]}] (a duplicate); nothing staged"
+            )
+        m = p.meta
+        for field, got, want in (
+            ("base_version", m.base_version, self.base_version),
+            ("version", m.version, self.version),
+            ("attempt", m.attempt, self.attempt),
+        ):
+            if got != want:
+                raise PayloadError(
+                    f"{label}: field {field}: {got}, the replica stages {field} {want} (a stale "
+                    "or foreign payload); nothing staged"
+                )
+        for j, item in enumerate(p.items):
+            loc = self.layout[item.name]
+            if item.dtype != loc.dtype or tuple(item.shape) != loc.shape:
+                raise PayloadError(
+                    f"{label}: field items[{j}] ({item.name}): {item.dtype}{list(item.shape)}, "
+                    f"the checkpoint holds {loc.dtype}{list(loc.shape)}; nothing staged"
+                )
+        self._seen[p.payload_id] = i
+        self._decoded.append(p)
+        self.payloads.append(data)
+        if self.committed is not None:
+            for item in p.items:
+                if item.count:
+                    idx = item.indices
+                    old = self.committed.read(item.name, idx)
+                    new = old ^ item.values if item.kind == Kind.XOR else item.values
+                    keep = new != old
+                    part = (int(idx[0]), int(idx[-1]), idx[keep], new[keep])
+                    self._parts.setdefault(item.name, []).append(part)
+
+    def changes(self, committed: SlotFiles) -> tuple[Change, ...]:
+        """What the attempt writes (`build_changes` of the decoded payloads against
+        `committed`), from the staged bits `add` computed when it could."""
+        if self.committed is None or any(_spans_meet(ps) for ps in self._parts.values()):
+            return build_changes(self.decoded(), attempt=self.attempt, committed=committed)
+        out = []
+        for name in sorted(self._parts):
+            parts = sorted(self._parts[name], key=lambda t: t[0])
+            idx = np.concatenate([t[2] for t in parts])
+            if idx.size:
+                out.append(
+                    Change(name=name, indices=idx, new=np.concatenate([t[3] for t in parts]))
+                )
+        return tuple(out)
+
+    def decoded(self) -> list[Payload]:
+        """The payloads added so far, decoded, in (owner, sequence) order."""
+        return sorted(self._decoded, key=lambda p: (p.meta.owner, p.meta.sequence))
+
+
+def _spans_meet(parts: list[tuple[int, int, np.ndarray, np.ndarray]]) -> bool:
+    """Whether two items' index spans [first, last] intersect (they may share an element)."""
+    spans = sorted((t[0], t[1]) for t in parts)
+    return any(b[0] <= a[1] for a, b in zip(spans, spans[1:], strict=False))
+
+
 def decode_attempt(
     payloads: Sequence[bytes],
     *,
@@ -67,39 +174,12 @@ def decode_attempt(
 ) -> list[Payload]:
     """The decoded payloads of (version, attempt) in (owner, sequence) order; `PayloadError`
     naming the payload and field for the first one refused (module docstring, 1-4)."""
-    sizes = {name: loc.numel for name, loc in layout.items()}
-    seen: dict[bytes, int] = {}
-    out: list[Payload] = []
-    for i, data in enumerate(payloads):
-        p = decode_payload(data, key=key, destinations=sizes)
-        label = f"payload {p.header.payload_id_hex}"
-        if p.payload_id in seen:
-            raise PayloadError(
-                f"{label}: field payload_id: payloads[{i}] repeats payloads[{seen[p.payload_id]}]"
-                " (a duplicate); nothing staged"
-            )
-        seen[p.payload_id] = i
-        m = p.meta
-        for field, got, want in (
-            ("base_version", m.base_version, base_version),
-            ("version", m.version, version),
-            ("attempt", m.attempt, attempt),
-        ):
-            if got != want:
-                raise PayloadError(
-                    f"{label}: field {field}: {got}, the replica stages {field} {want} (a stale "
-                    "or foreign payload); nothing staged"
-                )
-        for j, item in enumerate(p.items):
-            loc = layout[item.name]
-            if item.dtype != loc.dtype or tuple(item.shape) != loc.shape:
-                raise PayloadError(
-                    f"{label}: field items[{j}] ({item.name}): {item.dtype}{list(item.shape)}, "
-                    f"the checkpoint holds {loc.dtype}{list(loc.shape)}; nothing staged"
-                )
-        out.append(p)
-    out.sort(key=lambda p: (p.meta.owner, p.meta.sequence))
-    return out
+    decoder = AttemptDecoder(
+        version=version, attempt=attempt, base_version=base_version, layout=layout, key=key
+    )
+    for data in payloads:
+        decoder.add(data)
+    return decoder.decoded()
 
 
 def _merged(items: list[tuple[str, DeltaItem]]) -> tuple[np.ndarray, list[Any]]:

@@ -293,6 +293,49 @@ def _flip(data: bytes, at: int) -> bytes:
     return bytes(b)
 
 
+def _stage_streamed(store: ReplicaStore, v: int, a: int, pls: list[bytes]):
+    """Stage through `ReplicaStore.decoder`, fed payload by payload (as a receiver does)."""
+    with store.decoder(v, a) as d:
+        for data in pls:
+            d.add(data)
+        return store.stage(v, a, d.payloads, decoded=d)
+
+
+def test_decoded_as_they_arrive_stages_the_same(tmp_path, initial, lineage) -> None:
+    """The receiver's path (staged bits computed per payload on arrival) against the batch
+    path, bit for bit, for every kind, and for an attempt whose items overlap (computed
+    again in (owner, sequence) order)."""
+    roots = {m: tmp_path / m for m in ("batch", "streamed")}
+    stores = {m: ReplicaStore(r) for m, r in roots.items()}
+    try:
+        for store in stores.values():
+            store.bootstrap(initial)
+        partial = [it for it in items_between(lineage[0], lineage[1], "xor") if it.owner == 0]
+        first = partial[0]  # owner 1 overwrites 32 of the elements owner 0 XORs
+        bogus = make_item(first.name, first.dtype, first.shape, 1, Kind.OVERWRITE,
+                          first.indices[:32], torch.full((32,), 0x5A5A).numpy().astype("uint16"))  # fmt: skip
+        overlapping = encode([*partial, bogus], 1, 0)
+        want = applied(lineage[0], [*partial, bogus])
+        stores["batch"].stage(1, 0, overlapping)
+        res = _stage_streamed(stores["streamed"], 1, 0, list(reversed(overlapping)))
+        assert res.payloads == len(overlapping)
+        for m in stores:
+            assert stores[m].digest(1) == combined_digest(state_digests(want)), m
+        for v, kind in enumerate(KINDS, start=1):
+            a = 0 if v > 1 else 1
+            pls = payloads(lineage, v, attempt=a, kind=kind)
+            batch = stores["batch"].stage(v, a, pls)
+            got = _stage_streamed(stores["streamed"], v, a, list(reversed(pls)))  # any order
+            assert (got.tensors, got.elements) == (batch.tensors, batch.elements) != (0, 0)
+            for m, store in stores.items():
+                assert store.digest(v) == combined_digest(state_digests(lineage[v])), (m, v)
+                store.commit(v)
+        assert same_bits(load_checkpoint(roots["streamed"] / "slot1"), lineage[5]) == []
+    finally:
+        for store in stores.values():
+            store.close()
+
+
 def test_refusals_change_nothing(tmp_path, initial, lineage) -> None:
     with ReplicaStore(tmp_path / "root") as store:
         store.bootstrap(initial)
@@ -342,6 +385,16 @@ def test_refusals_change_nothing(tmp_path, initial, lineage) -> None:
                 store.stage(v, a, pls)
             assert snapshot(store.root) == before, label
             assert store.digest() == digest, label
+            # the same payloads decoded as they arrive (a receiver's path): refused as early
+            # (a gap or stale version is a payload of another version to that decoder)
+            with pytest.raises((PayloadError, ArgumentError)):
+                _stage_streamed(store, v, a, pls)
+            assert snapshot(store.root) == before, label
+        with store.decoder(2, 0) as d, pytest.raises(ArgumentError, match="decoded payloads"):
+            for data in good:
+                d.add(data)
+            store.stage(2, 1, good, decoded=d)  # decoded for another attempt
+        assert snapshot(store.root) == before
         with pytest.raises(ProtocolError, match="not staged"):
             store.commit(2)
         assert snapshot(store.root) == before
