@@ -26,7 +26,7 @@ Subcommands (each has ``--help``):
   (trainer and engines on separate CPUs).
 - ``dcr bench apply [--json PATH] [--size medium|small|large]``: receiver apply vs dense load
   (needs vLLM; imported only by this subcommand).
-- ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N]``: the canonical
+- ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N] [--pin]``: the canonical
   replica's cost (issue 31): refit with / without it, restore from it / local disk, apply rates.
 - ``dcr bench fanout [--json PATH] [--receivers 1,2,4] [--repeats N]``: bytes across the rollout
   cluster's boundary per refit, every receiver reading the store vs the replica reading it once.
@@ -94,7 +94,7 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
 def cmd_bench_replica(args: argparse.Namespace) -> int:
     from dcr_tools.bench import replica as bench_replica  # engines run as `vllm serve`
 
-    return bench_replica.main(args.json, args.size, args.repeats)
+    return bench_replica.main(args.json, args.size, args.repeats, args.pin)
 
 
 def cmd_bench_fanout(args: argparse.Namespace) -> int:
@@ -417,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~166M parameters (default); small: a quick run",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed rounds after a warm-up (5)")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the replica service alone on one half of the CPUs (its own host, as on a "
+        "cluster); the engine, the owners and the coordinator on the other",
+    )
     p.set_defaults(func=cmd_bench_replica)
     p = bsub.add_parser(
         "fanout",

@@ -37,10 +37,15 @@ Goals (issue 31): refit with / without the replica <= 1.05x; restore from the re
 dense load from local disk <= 1.1x (over HTTP, and from the slot under a lease); apply
 throughput replica / engine reported.
 
+``--pin``: the replica service runs alone on one half of the CPUs (its own host, as on a
+cluster), this process (coordinator, owners) and the engine on the other half (vLLM's OpenMP
+binding there too); the processes' affinity is read back after the warm-up (`settings.pin`).
+
 Limitations:
 1. The owners are a stand-in (above); construction time would make the refit ratio smaller.
 2. One machine: the engine, the replica service, the coordinator and the owners share its
-   cores (on a cluster the replica has its own host), and the restore's download is loopback.
+   cores (``--pin`` gives the replica its own; on 2 CPUs the engine then has one), and the
+   restore's download is loopback.
 3. The issue's fourth row (cross-cluster bytes with 1, 2, 4 engines) is `dcr bench fanout`.
 """
 
@@ -300,12 +305,18 @@ def restore_one(engine: Any, source: str, version: int, want: str) -> dict[str, 
     return {"wall_s": wall, "worker_s": float(reply["seconds"])}
 
 
-def start_replica(root: Path, spec: dict[str, Any], log: Path, env: dict[str, str]) -> Any:
-    """``dcr replica serve`` on `root` (its own process group): (process, base URL)."""
+def start_replica(
+    root: Path, spec: dict[str, Any], log: Path, env: dict[str, str], cpus: set[int] | None = None
+) -> Any:
+    """``dcr replica serve`` on `root` (its own process group; on `cpus` only when given):
+    (process, base URL)."""
+    from dcr_tools.procs import taskset_prefix
+
     dcr = str(Path(sys.executable).with_name("dcr"))
     with open(log, "ab") as err:
         proc = subprocess.Popen(
-            [dcr, "replica", "serve", str(root), "--source", json.dumps(spec)],
+            [*taskset_prefix(cpus), dcr, "replica", "serve", str(root), "--source",
+             json.dumps(spec)],
             stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
         )  # fmt: skip
     assert proc.stdout is not None
@@ -316,8 +327,27 @@ def start_replica(root: Path, spec: dict[str, Any], log: Path, env: dict[str, st
     return proc, json.loads(line)["url"]
 
 
-def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str, Any]:
+def pinned_affinity(
+    engine_pid: int, replica_pid: int, cpus: tuple[set[int], set[int]]
+) -> dict[str, Any]:
+    """Read back the affinity of the engine's and the replica service's processes (with every
+    thread's own mask); raise when one runs outside its CPUs."""
+    from dcr_tools.procs import tree_affinity
+
+    engine, replica = tree_affinity(engine_pid), tree_affinity(replica_pid)
+    bad = [p for p in engine if not set(p["cpus"]) <= cpus[0]]  # type: ignore[call-overload]
+    bad += [p for p in replica if not set(p["cpus"]) <= cpus[1]]  # type: ignore[call-overload]
+    if bad or not engine or not replica:
+        raise RuntimeError(f"--pin did not take (or no process found): {bad or (engine, replica)}")
+    return {"main_cpus": sorted(cpus[0]), "replica_cpus": sorted(cpus[1]), "engine": engine,
+            "replica": replica}  # fmt: skip
+
+
+def run(
+    size: str = "medium", repeats: int = 5, rate: float = 0.01, pin: bool = False
+) -> dict[str, Any]:
     """The whole benchmark (module docstring)."""
+    from dcr_tools.bench.refit import split_cpus
     from dcr_tools.fixtures import write_tiny_model
     from dcr_tools.procs import ServeProcess, base_env, free_port, kill_group
     from shared_codec.checkpoint import tensor_table
@@ -334,7 +364,12 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-replica-"))
     refits = 2 * (repeats + 1)  # a warm-up and `repeats` rounds, each one refit per mode
     server, replica_proc = None, None
+    before = os.sched_getaffinity(0)
+    cpus = split_cpus(before) if pin else None
+    host = machine()  # before pinning: the machine's CPUs
     try:
+        if cpus is not None:  # this process (coordinator, owners) and the engine on one half
+            os.sched_setaffinity(0, cpus[0])
         dims = SIZES[size]
         print(f"[bench replica] writing the {size} model to {work}; starting vLLM", flush=True)
         v0 = write_tiny_model("qwen3", work / "v0", seed=0, **dims)
@@ -343,7 +378,14 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
         ckpt_bytes = sum(f.stat().st_size for f in v0.glob("*.safetensors"))
         spec = {"kind": "dir", "root": str(work / "payloads")}
         env = base_env(VLLM_SERVER_DEV_MODE="1")
-        server = ServeProcess(v0, free_port(), log=work / "engine.log", env=env)
+        engine_env = dict(env)
+        if cpus is not None:  # vLLM's OpenMP binding on the engine's half, nothing reserved
+            engine_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(cpus[0]))
+            engine_env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        server = ServeProcess(
+            v0, free_port(), log=work / "engine.log", env=engine_env,
+            cpus=cpus[0] if cpus else None,
+        )  # fmt: skip
         url = server.start(timeout_s=900)
         dirs: dict[int, Path] = {0: v0}
         engine = HttpEngine(
@@ -357,7 +399,9 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
         dirs[refits] = last_dir
         with ReplicaStore(work / "replica") as store:
             store.bootstrap(v0)
-        replica_proc, replica_url = start_replica(work / "replica", spec, work / "replica.log", env)
+        replica_proc, replica_url = start_replica(
+            work / "replica", spec, work / "replica.log", env, cpus[1] if cpus else None
+        )
         replica = HttpReplica(replica_url)
         owners = ChainOwners(items, spec, numel)
         control = DirectoryStore(work / "control")
@@ -369,6 +413,10 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
         coords["with"].initialize("bench-v0")
         modes: tuple[str, ...] = ("with", "without")
         warmup = {m: refit_one(coords[m], m, replica, digests) for m in modes}
+        pinned = None
+        if cpus is not None:
+            assert server.proc is not None
+            pinned = pinned_affinity(server.proc.pid, replica_proc.pid, cpus)
         refit_runs, throughput_runs = [], []
         for k in range(repeats):
             order = modes if k % 2 == 0 else modes[::-1]
@@ -414,7 +462,7 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
         restore_summary = aggregate(restore_runs, RESTORE_FIGURES)
         return {
             "benchmark": "replica",
-            "machine": machine(),
+            "machine": host,
             "settings": {
                 "size": size,
                 **dims,
@@ -427,6 +475,10 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
                 "min_bucket_bytes": MIN_BUCKET_BYTES,
                 "overwrite_only": sorted(overwrite),
                 "owners": "stand-in (no trainer): precomputed diffs encoded and published",
+                # --pin: the replica service alone on one half of the CPUs (its own host, as
+                # on a cluster), this process and the engine on the other; read back after
+                # the warm-up
+                "pin": pinned,
             },
             "refit": {"summary": refit_summary, "warmup": warmup, "runs": refit_runs},
             "throughput": {
@@ -442,7 +494,7 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
             },
             "bit_exact": True,  # every check above raises otherwise
             "goals": verdicts(refit_summary, restore_summary),
-            "not_measured": "cross-cluster bytes with 1/2/4 engines (needs issue 31 item 3)",
+            "not_measured": "cross-cluster bytes with 1/2/4 engines: dcr bench fanout",
         }
     finally:
         if replica_proc is not None:
@@ -450,6 +502,7 @@ def run(size: str = "medium", repeats: int = 5, rate: float = 0.01) -> dict[str,
         if server is not None:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
+        os.sched_setaffinity(0, before)
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -474,7 +527,13 @@ def render(res: dict[str, Any]) -> str:
         f"Canonical replica (issue 31): {s['size']} Qwen3, {s['parameters'] / 1e6:.1f}M params, "
         f"{s['checkpoint_bytes'] / 1e6:.0f} MB BF16; {s['rate']:.0%} of elements per version; "
         f"median [min-max] of {s['repeats']} rounds after a warm-up, interleaved; "
-        f"{m['cpus']} CPUs ({m['processor']}), {m['date']}",
+        f"{m['cpus']} CPUs ({m['processor']}), {m['date']}"
+        + (
+            f"; pinned: replica on CPUs {s['pin']['replica_cpus']}, engine and coordinator on "
+            f"{s['pin']['main_cpus']}"
+            if s.get("pin")
+            else ""
+        ),
         f"{'what':<42} | {'replica side':>{w}} | {'reference':>{w}} | {'ratio':>{w}} | goal",
         f"{'refit latency s: with / without replica':<42} | {_cell(ref, 'with_s'):>{w}} | "
         f"{_cell(ref, 'without_s'):>{w}} | {_cell(ref, 'with_vs_without'):>{w}} | "
@@ -501,8 +560,8 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def main(json_path: str | None, size: str, repeats: int = 5) -> int:
-    res = run(size=size, repeats=repeats)
+def main(json_path: str | None, size: str, repeats: int = 5, pin: bool = False) -> int:
+    res = run(size=size, repeats=repeats, pin=pin)
     print(render(res))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
