@@ -50,6 +50,17 @@ def unsynced(slot: SlotState) -> tuple[int, ...]:
     return slot.touched or (slot.attempt,)
 
 
+def _copy_at(
+    files: SlotFiles, src: SlotFiles, touched: tuple[Touched, ...], point: str | None
+) -> None:
+    """Copy `src`'s bits at every element `touched` names into `files` (the crash point
+    `point` fires after the first tensor)."""
+    for i, t in enumerate(touched):
+        files.put(t.name, t.indices, src.read(t.name, t.indices))
+        if i == 0 and point is not None:
+            _at(point)
+
+
 class SlotRecovery:
     """Recovery and repair of `ReplicaStore` (module docstring); not used on its own."""
 
@@ -112,16 +123,11 @@ class SlotRecovery:
         files may be partly written)."""
         for a in attempts:
             assert slot.target is not None
-            for i, t in enumerate(self._touched(slot.target, a)):
-                files.put(t.name, t.indices, committed.read(t.name, t.indices))
-                if i == 0:
-                    _at(point)
+            _copy_at(files, committed, self._touched(slot.target, a), point)
         if slot.version < st.committed:
             assert st.committed_attempt is not None, "a lagging slot at the bootstrap version"
-            for i, t in enumerate(self._touched(st.committed, st.committed_attempt)):
-                files.put(t.name, t.indices, committed.read(t.name, t.indices))
-                if i == 0:
-                    _at("catchup_partial")
+            touched = self._touched(st.committed, st.committed_attempt)
+            _copy_at(files, committed, touched, "catchup_partial")
 
     def _copy_committed(self, st: ReplicaState, why: LogCorrupt) -> None:
         """Make the shadow's files the committed slot's, file by file, each atomically (the
@@ -218,8 +224,7 @@ class SlotRecovery:
             SlotFiles(slot_dir(self.root, base), layout, write=False) as old,
         ):
             for a in attempts:
-                for t in self._touched(version, a):
-                    files.put(t.name, t.indices, old.read(t.name, t.indices))
+                _copy_at(files, old, self._touched(version, a), None)
             for i, c in enumerate(
                 build_changes(
                     read_decoded(self.log_dir, version, attempts[-1], layout, self.key),
@@ -271,11 +276,11 @@ class SlotRecovery:
             with self._writing(st.shadow, wait, "recover"):
                 try:
                     self._redo(st.shadow, st.committed_slot, sh.target, sh.touched)
-                    durable_ = SlotState(
+                    durable_staged = SlotState(
                         status=SlotStatus.STAGED, version=sh.version, target=sh.target,
                         attempt=sh.attempt,
                     )  # fmt: skip
-                    self._save(st.with_slot(st.shadow, durable_), "staged")
+                    self._save(st.with_slot(st.shadow, durable_staged), "staged")
                 except LogCorrupt as e:  # the attempt is lost: back to the committed version
                     log.warning("%s: staged attempt %s: %s; undoing it", self.root, sh.attempt, e)
                     self._repair()
