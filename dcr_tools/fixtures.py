@@ -710,6 +710,25 @@ def write_tiny_mla_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
     return out
 
 
+def write_quantized_model(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], fmt: str
+) -> Path:
+    """Write the quantized checkpoint of BF16 checkpoint `src` in format `fmt` (a
+    ``shared_codec.quantized.FORMATS`` name) to `dst`: the library quantizer's weights and
+    scales (``quantize_checkpoint``) and compressed-tensors' ``quantization_config`` in
+    config.json; tokenizer and other files copied. The dense refit a quantized engine is
+    compared with."""
+    from shared_codec.checkpoint import load_checkpoint, save_checkpoint
+    from shared_codec.quantized import checkpoint_config, format_of, quantize_checkpoint
+
+    q = format_of(fmt)
+    out = save_checkpoint(quantize_checkpoint(load_checkpoint(src), q), dst, like=src)
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"] = checkpoint_config(q)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 def perturb_checkpoint(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

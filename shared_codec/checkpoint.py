@@ -123,6 +123,7 @@ def save_checkpoint(
 _ST_DTYPES = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
     "I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
 
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from shared_codec.errors import ArgumentError
+from shared_codec.records import DeltaItem, Kind, diff_tensors
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,4 +186,86 @@ def requantize(
     return q, scale
 
 
-__all__ = ["FORMATS", "QuantFormat", "format_of", "groups_of", "quantize", "requantize"]
+def quantizes(name: str) -> bool:
+    """Whether canonical tensor `name` is a quantized weight in DCR's quantized checkpoints:
+    the projection weights of the decoder layers (attention, MLP, experts), as
+    compressed-tensors' ``Linear`` target with the usual ignores (embeddings, norms, the MoE
+    router ``mlp.gate``, ``lm_head``) selects them."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def scale_name(name: str) -> str:
+    """The scale tensor of quantized weight `name` (``...weight`` -> ``...weight_scale``)."""
+    return f"{name}_scale"
+
+
+def quantize_checkpoint(
+    tensors: dict[str, torch.Tensor], fmt: QuantFormat
+) -> dict[str, torch.Tensor]:
+    """The quantized checkpoint of BF16 canonical `tensors`: every `quantizes` weight becomes
+    its quantized weight and scale (`quantize`), every other tensor is kept."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if quantizes(name):
+            out[name], out[scale_name(name)] = quantize(t, fmt)
+        else:
+            out[name] = t
+    return out
+
+
+def checkpoint_config(fmt: QuantFormat, ignore: list[str] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` entry of config.json for a checkpoint in `fmt`, as
+    compressed-tensors writes it (``quant_method`` ``compressed-tensors``, compressed)."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(
+        config_groups={"group_0": _scheme(fmt.preset)},
+        quantization_status="compressed",
+        format="int-quantized" if fmt.name.startswith("int") else "float-quantized",
+        ignore=["lm_head"] if ignore is None else ignore,
+    )
+    out: dict[str, Any] = json.loads(config.model_dump_json())
+    out["quant_method"] = "compressed-tensors"
+    return out
+
+
+def quantized_delta(
+    name: str,
+    weight: torch.Tensor,
+    changed: np.ndarray,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: QuantFormat,
+    *,
+    owner: int = 0,
+    scale_kind: Kind = Kind.XOR,
+) -> tuple[torch.Tensor, torch.Tensor, list[DeltaItem]]:
+    """One quantized weight's refit: the groups the `changed` elements (flat indices of the
+    new BF16 `weight`) touch are requantized against the committed quantized baseline (`q`,
+    `scale`), and the items turning the baseline into the result: the quantized bytes that
+    changed as XOR, the scales that changed as `scale_kind` (the engine reports cast scales as
+    overwrite-only). Returns (new quantized weight, new scale, non-empty items)."""
+    groups = groups_of(changed, (int(weight.shape[0]), int(weight.shape[1])), fmt)
+    new_q, new_s = requantize(weight, q, scale, groups, fmt)
+    items = [
+        diff_tensors(name, q, new_q, owner=owner),
+        diff_tensors(scale_name(name), scale, new_s, owner=owner, kind=scale_kind),
+    ]
+    return new_q, new_s, [it for it in items if it.count]
+
+
+__all__ = [
+    "FORMATS",
+    "QuantFormat",
+    "checkpoint_config",
+    "format_of",
+    "groups_of",
+    "quantize",
+    "quantize_checkpoint",
+    "quantized_delta",
+    "quantizes",
+    "requantize",
+    "scale_name",
+]

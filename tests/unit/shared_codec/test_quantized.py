@@ -27,8 +27,13 @@ from shared_codec.quantized import (  # noqa: E402 - after the skip
     format_of,
     groups_of,
     quantize,
+    quantize_checkpoint,
+    quantized_delta,
+    quantizes,
     requantize,
+    scale_name,
 )
+from shared_codec.records import Kind, apply_item  # noqa: E402
 
 SHAPES = ((256, 256), (320, 384))  # the second: a last row of blocks only partly filled
 
@@ -173,3 +178,51 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ArgumentError, match="2-D"):
         quantize(torch.zeros(8, dtype=torch.bfloat16), FORMATS["int8-channel"])
     assert isinstance(FORMATS["fp8-block"], QuantFormat)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_quantized_delta_turns_the_baseline_into_the_new_quantized_weight(name: str) -> None:
+    fmt = FORMATS[name]
+    w = _weight((320, 384), seed=5)
+    new, changed = _changed(w, 0.01, seed=6)
+    q, s = quantize(w, fmt)
+    nq, ns, items = quantized_delta("w.weight", new, changed, q, s, fmt, scale_kind=Kind.OVERWRITE)
+    want_q, want_s = quantize(new, fmt)
+    assert _same(nq, want_q) and _same(ns, want_s)
+    by_name = {it.name: it for it in items}
+    assert set(by_name) <= {"w.weight", "w.weight_scale"} and "w.weight" in by_name
+    assert by_name["w.weight"].kind == Kind.XOR
+    if "w.weight_scale" in by_name:
+        assert by_name["w.weight_scale"].kind == Kind.OVERWRITE
+    got_q, got_s = q.clone(), s.clone()
+    apply_item(got_q, by_name["w.weight"])
+    if "w.weight_scale" in by_name:
+        apply_item(got_s, by_name["w.weight_scale"])
+    assert _same(got_q, want_q) and _same(got_s, want_s)
+    # nothing changed: no items, the baseline kept
+    same_q, same_s, none = quantized_delta("w.weight", w, np.zeros(0, np.int64), q, s, fmt)
+    assert none == [] and _same(same_q, q) and _same(same_s, s)
+
+
+def test_quantize_checkpoint_quantizes_the_projections_only() -> None:
+    tensors = {
+        "model.embed_tokens.weight": _weight((64, 128), 1),
+        "model.layers.0.self_attn.q_proj.weight": _weight((128, 128), 2),
+        "model.layers.0.mlp.experts.3.down_proj.weight": _weight((128, 64), 3),
+        "model.layers.0.mlp.gate.weight": _weight((8, 128), 4),  # the MoE router
+        "model.layers.0.input_layernorm.weight": _weight((1, 128), 5).reshape(128),
+        "lm_head.weight": _weight((64, 128), 6),
+    }
+    fmt = FORMATS["int8-channel"]
+    out = quantize_checkpoint(tensors, fmt)
+    quantized = sorted(n for n in tensors if quantizes(n))
+    assert quantized == [
+        "model.layers.0.mlp.experts.3.down_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+    ]
+    assert sorted(out) == sorted([*tensors, *(scale_name(n) for n in quantized)])
+    for n in quantized:
+        q, s = quantize(tensors[n], fmt)
+        assert _same(out[n], q) and _same(out[scale_name(n)], s)
+    for n in set(tensors) - set(quantized):
+        assert out[n] is tensors[n]
