@@ -432,14 +432,21 @@ def traced_post_load(original: Callable[..., None]) -> Callable[..., None]:
     """The replacement of vLLM's ``process_weights_after_loading(model, model_config,
     target_device)`` (installed by patches.py): in a process that serves DCR it runs the step
     under `trace` and remembers the table; elsewhere it is the original."""
-    from vllm_dcr_plugin import cpu_compat
+    from vllm_dcr_plugin import cpu_compat, quantized
 
     @functools.wraps(original)
     def process_weights_after_loading(model: Any, model_config: Any, target_device: Any) -> None:
         if not cpu_compat.dcr_enabled():
             return original(model, model_config, target_device)
         dtype = getattr(model_config, "dtype", None)
+        quantized.capture(model)
         table = trace(model, lambda: original(model, model_config, target_device), dtype)
+        quantized.adopt(model)
+        # quantized layers are re-derived whole from their checkpoint-format parameters
+        for path in [p for p in table.derived if quantized.owns(model, p)]:
+            del table.derived[path]
+        for path in [p for p in table.views if quantized.owns(model, p)]:
+            del table.views[path]
         remember(model, table)
         logger.info(
             "DCR: post-load step derived %d tensors from loaded weights (%d units): %s",

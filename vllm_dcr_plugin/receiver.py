@@ -31,7 +31,7 @@ from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin import derived, device
+from vllm_dcr_plugin import derived, device, quantized
 from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.apply import ItemCounter, PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
@@ -97,6 +97,8 @@ class Receiver:
         )
         # what prewarm found to re-derive after each apply, and what it refused (derived.py)
         self.derived = derived.DerivedPlan()
+        self.quantized: dict[str, frozenset[str]] = {}  # canonical -> quantized layers
+        self.refused: dict[str, str] = {}  # canonical -> why it cannot be re-derived
 
     @property
     def placement(self) -> PlacementMode:
@@ -127,13 +129,22 @@ class Receiver:
             ) from None
         # compile the scatter kernels now, not inside the first timed apply
         warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
-        caps = probe(self.model, specs, scratch, self.loader_condition())
+        with quantized.checkpoint_format(self.model):
+            caps = probe(self.model, specs, scratch, self.loader_condition())
+        quantized.check_recipe(self.model, {n: s.dtype for n, s in specs.items()}, caps.writes)
         self.scratch, self.tensors = scratch, specs
         self.skipped = set(caps.skipped)
         self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
         self.placing.plan = caps.plan
         self.derived = derived.plan_rederive(self.model, caps.writes)
-        for name, why in self.derived.refused.items():
+        self.quantized = quantized.written_layers(self.model, caps.writes)
+        refused_layers = quantized.verify(self.model)
+        self.refused = refused = dict(self.derived.refused)
+        for name, layers in self.quantized.items():
+            reasons = [refused_layers[p] for p in sorted(layers) if p in refused_layers]
+            if reasons:
+                refused[name] = f"writes a quantized layer DCR cannot re-derive: {reasons[0]}"
+        for name, why in refused.items():
             self.unsupported[name] = why
             self.overwrite_only.pop(name, None)
         self.committed_version = int(committed_version)
@@ -150,6 +161,7 @@ class Receiver:
             "committed_version": self.committed_version,
             **self.placing.report(),
             "derived": dict(self.derived.report),
+            "quantized": quantized.report(self.model),
         }
 
     def set_placement(self, mode: str) -> dict[str, Any]:
@@ -172,10 +184,11 @@ class Receiver:
         if gate:
             raise ProtocolError(f"request gate closed for verify_plan: {gate}")
         old = self.placing.plan or PlacementPlan()
-        stale = old.stale(current_tensors(self.model, old.params))
-        caps = probe(self.model, self.tensors, scratch, self.loader_condition())
+        with quantized.checkpoint_format(self.model):
+            stale = old.stale(current_tensors(self.model, old.params))
+            caps = probe(self.model, self.tensors, scratch, self.loader_condition())
         diff = old.differences(caps.plan)
-        refused = self.derived.refused  # refusals for derived tensors stand (prewarm)
+        refused = self.refused  # refusals of derived tensors and quantized layers stand
         unsupported = {**caps.unsupported, **refused}
         overwrite_only = {n: w for n, w in caps.overwrite_only.items() if n not in refused}
         classes_changed = (
@@ -356,28 +369,29 @@ class Receiver:
         touched = {it.name for p in staged for it in p.header.items}
         t_start = time.perf_counter()
         try:
-            apply_staged(
-                self.model,
-                staged,
-                tally,
-                scratch=scratch,
-                staging=self.staging,
-                skipped=self.skipped,
-                masked=set(self.overwrite_only),
-                verify=verify,
-                counter=ItemCounter(watch),
-                plan=self.placing.replayed(),
-                checks=checks,
-            )
+            with quantized.checkpoint_format(self.model):
+                apply_staged(
+                    self.model,
+                    staged,
+                    tally,
+                    scratch=scratch,
+                    staging=self.staging,
+                    skipped=self.skipped,
+                    masked=set(self.overwrite_only),
+                    verify=verify,
+                    counter=ItemCounter(watch),
+                    plan=self.placing.replayed(),
+                    checks=checks,
+                )
         except (LoaderConditionError, PayloadError, RuntimeError, ValueError) as e:
             self.metrics.placed(tally)
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
-                derived.rederive_touched(self.model, self.derived, touched)
+                self._rederive(touched)
             late = device.settle(self.model)  # a failed ACK too follows the writes made
             then = "" if late is None else f"; then the device reported: {late}"
             return tally.ack(ok=False, error=f"{type(e).__name__}: {e}{then}")
-        derived.rederive_touched(self.model, self.derived, touched)
+        self._rederive(touched)
         late = device.settle(self.model)
         tally.total_s = time.perf_counter() - t_start
         self.metrics.placed(tally)
@@ -395,6 +409,14 @@ class Receiver:
             self.applying_attempt = None if final else attempt
             self.target_version = target or self.target_version
         return tally.ack(ok=True)
+
+    def _rederive(self, touched: set[str] | None) -> None:
+        """Re-run vLLM's post-load steps that the written tensors feed (None: all of them)."""
+        derived.rederive_touched(self.model, self.derived, touched)
+        layers = None if touched is None else {
+            p for n in touched for p in self.quantized.get(n, ())
+        }  # fmt: skip
+        quantized.rederive(self.model, layers)
 
     def _failed(self, target: int | None) -> None:
         self.state = advance(self.state, Event.FAILED)
@@ -430,6 +452,7 @@ class Receiver:
         per.update({f"buffer:{n}": tensor_digest(t) for n, t in self.model.named_buffers()})
         named = set(per) | {n.removeprefix("buffer:") for n in per}
         per.update(derived.attribute_digests(self.model, named))  # derived plain attributes
+        per.update(quantized.digests(self.model))  # what quantized kernels keep out of reach
         return {**self.rank, "digest": combined_digest(per), "tensors": per}
 
     def dense_load(self, path: str, version: int) -> dict[str, Any]:
@@ -442,7 +465,8 @@ class Receiver:
         self.check_checkpoint(path, "dense-load path")
         t0 = time.perf_counter()
         try:
-            loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
+            with quantized.checkpoint_format(self.model):
+                loaded = self.model.load_weights(iter_checkpoint(path))  # type: ignore[operator]
         except Exception as e:  # the loader stopped part-way: weights are a mixture
             self.state = advance(self.state, Event.FAILED)
             raise LoaderConditionError(
@@ -450,7 +474,7 @@ class Receiver:
                 f"is dirty at committed version {self.committed_version}: dense-load a good "
                 "checkpoint or retry with overwrites"
             ) from None
-        derived.rederive_touched(self.model, self.derived, None)
+        self._rederive(None)
         late = device.settle(self.model)
         if late is not None:
             self.state = advance(self.state, Event.FAILED)

