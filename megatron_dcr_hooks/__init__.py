@@ -10,7 +10,8 @@ Modules:
   (build/commit/abort/retry) over the modules of the paper's steps:
   ``detection`` (trackers and the changed-bits scan against the host baseline),
   ``projection`` (affine tasks -> canonical records), ``residual`` (residual conversion and
-  the residual baseline), ``guard`` (the candidate guard), ``sink`` (payload encoding and the one
+  the residual baseline), ``quantized`` (quantized deltas from each quantized weight's group
+  owner), ``guard`` (the candidate guard), ``sink`` (payload encoding and the one
   bounded queue in front of the payload sink).
 - ``config``: `DCRConfig` and `ConstructionMode`.
 - ``candidate``: the `Candidate` record of a build and the owner's `OwnerState`.

@@ -11,6 +11,9 @@ every successful step; training loops may call ``hook.after_step()`` themselves 
 - detection.py: trackers and the changed-bits scan against them (step 1);
 - projection.py: affine tasks -> canonical records (step 2, affine path);
 - residual.py: residual conversion and the residual baseline (step 2, residual path);
+- quantized.py: with ``DCRConfig.quantization``, the quantized deltas of the quantized weights
+  from their group owners (issue 32; the canonical records of those weights go there, not to
+  the payloads);
 - sink.py: encoding into bounded payloads (step 3, `shared_codec.buckets`) and the one
   bounded queue between the build and the transport;
 - guard.py: the candidate guard; candidate.py: the `Candidate` record and `OwnerState`.
