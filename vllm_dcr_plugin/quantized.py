@@ -43,6 +43,9 @@ Limitations:
    compare greedy tokens with a dense load after every apply.
 3. Checked on vLLM 0.32 (the pin of patches.py): the schemes' post-load steps re-register the
    parameters they produce, which is what `rederive` relies on.
+4. vLLM's own in-place reload (``model_loader/reload``) of a served quantized model runs the
+   model-level post-load step again, which captures again: a refit of the same engine through
+   both vLLM's reload and DCR is not supported (DCR's dense load is the one to use).
 """
 
 from __future__ import annotations

@@ -25,9 +25,21 @@ def main() -> None:
     ap.add_argument("--format", required=True)
     ap.add_argument("--mode", choices=("refit", "fresh"), required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument(
+        "--recovery",
+        default="",
+        help="JSON [bf16 v2, quantized v2]: after v1, a v2 attempt fails part-way "
+        "(fault plan) and its overwrite retry repairs the engine",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     (v0, v1), (q0, q1) = json.loads(args.bf16), json.loads(args.quantized)
+    import os
+
+    from dcr_tools import faults
+
+    plan = Path(args.out).with_name("fault-plan.json")
+    os.environ.update(faults.environment(plan))  # the workers inherit it; armed below
 
     import numpy as np
     from vllm import SamplingParams
@@ -72,27 +84,35 @@ def main() -> None:
     report["prewarm"] = llm.collective_rpc("dcr_prewarm", args=(tensor_table(q0), 0))
     report["v0"] = snapshot()
 
-    # the owner: BF16 change -> touched groups -> requantized against the quantized baseline
     fmt = format_of(args.format)
-    old, new, committed = load_checkpoint(v0), load_checkpoint(v1), load_checkpoint(q0)
     no_xor = set().union(*(r.get("overwrite_only", {}) for r in report["prewarm"]))
-    items, result, owner = [], dict(committed), {"bf16_changed": 0, "groups_unchanged": 0}
-    for name in sorted(old):
-        changed = np.flatnonzero(tensor_bits(old[name]) != tensor_bits(new[name]))
-        owner["bf16_changed"] += int(changed.size)
-        if not quantizes(name):
-            kind = Kind.OVERWRITE if name in no_xor else Kind.XOR
-            item = diff_tensors(name, old[name], new[name], kind=kind)
-            items += [item] if item.count else []
-            result[name] = new[name]
-            continue
-        s = scale_name(name)
-        kind = Kind.OVERWRITE if s in no_xor else Kind.XOR
-        nq, ns, its = quantized_delta(
-            name, new[name], changed, committed[name], committed[s], fmt, scale_kind=kind
-        )
-        items += its
-        result[name], result[s] = nq, ns
+
+    def owner_delta(bf16_old: str, bf16_new: str, quantized_old: str, overwrite: bool) -> tuple:
+        """The owner: BF16 change -> touched groups -> requantized against the quantized
+        baseline (`overwrite`: every record an overwrite, as a retry sends)."""
+        old, new, committed = (load_checkpoint(p) for p in (bf16_old, bf16_new, quantized_old))
+        items, result, counts = [], dict(committed), {"bf16_changed": 0}
+        for name in sorted(old):
+            changed = np.flatnonzero(tensor_bits(old[name]) != tensor_bits(new[name]))
+            counts["bf16_changed"] += int(changed.size)
+            if not quantizes(name):
+                kind = Kind.OVERWRITE if overwrite or name in no_xor else Kind.XOR
+                item = diff_tensors(name, old[name], new[name], kind=kind)
+                items += [item] if item.count else []
+                result[name] = new[name]
+                continue
+            s = scale_name(name)
+            wkind = Kind.OVERWRITE if overwrite else Kind.XOR
+            skind = Kind.OVERWRITE if overwrite or s in no_xor else Kind.XOR
+            nq, ns, its = quantized_delta(
+                name, new[name], changed, committed[name], committed[s], fmt, kind=wkind,
+                scale_kind=skind,
+            )  # fmt: skip
+            items += its
+            result[name], result[s] = nq, ns
+        return items, result, counts
+
+    items, result, owner = owner_delta(v0, v1, q0, overwrite=False)
     library = load_checkpoint(q1)
     owner["equals_library"] = sorted(result) == sorted(library) and all(
         bool(np.array_equal(tensor_bits(result[n]), tensor_bits(library[n]))) for n in library
@@ -107,6 +127,27 @@ def main() -> None:
     report["apply"] = llm.collective_rpc("dcr_apply", args=(0,))
     report["applied"] = snapshot()
     report["commit"] = llm.collective_rpc("dcr_commit", args=(1,))
+    if args.recovery:  # v1 -> v2: attempt 0 fails part-way, its overwrite retry repairs
+        v2, q2 = json.loads(args.recovery)
+        xor, _, _ = owner_delta(v1, v2, q1, overwrite=False)
+        retry, _, _ = owner_delta(v1, v2, q1, overwrite=True)
+        meta2 = PayloadMeta(version=2, base_version=1, attempt=0, owner=0, sequence=0)
+        report["stage_partial"] = llm.collective_rpc(
+            "dcr_stage", args=(encode_items(xor, meta2, BucketConfig(bucket_bytes=64 << 10)),)
+        )
+        faults.arm(plan, fail_after_items=5)  # every rank fails after 5 items
+        report["ack_partial"] = llm.collective_rpc("dcr_apply", args=(0,))
+        report["partial"] = snapshot()
+        report["abort"] = llm.collective_rpc("dcr_abort", args=(0,))
+        meta3 = PayloadMeta(version=2, base_version=1, attempt=1, owner=0, sequence=0)
+        report["stage_retry"] = llm.collective_rpc(
+            "dcr_stage", args=(encode_items(retry, meta3, BucketConfig(bucket_bytes=64 << 10)),)
+        )
+        report["ack_retry"] = llm.collective_rpc("dcr_apply", args=(1,))
+        report["retried"] = snapshot()
+        report["commit2"] = llm.collective_rpc("dcr_commit", args=(2,))
+        report["dense_v2"] = llm.collective_rpc("dcr_dense_load", args=(q2, 2))
+        report["dense2"] = snapshot()
     report["dense_v0"] = llm.collective_rpc("dcr_dense_load", args=(q0, 0))
     report["dense0"] = snapshot()
     report["dense_v1"] = llm.collective_rpc("dcr_dense_load", args=(q1, 1))

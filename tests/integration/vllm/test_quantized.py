@@ -24,35 +24,44 @@ pytestmark = pytest.mark.vllm
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
 
 
-def _versions(tmp_path: Path, fmt: str) -> tuple[list[str], list[str]]:
-    """BF16 v0 and v1 (low mantissa bits of 1-3% of every tensor, and the sign of 1% of each
-    quantized weight's elements, so greedy tokens change after quantization), and the paths
-    the program writes their quantized checkpoints to."""
+def _next_version(src: Path, dst: Path, seed: int) -> Path:
+    """`src` with the low mantissa bits of 1-3% of every tensor changed and the sign of 1% of
+    each quantized weight's elements flipped, so that greedy tokens change after quantization."""
     import torch
 
     from shared_codec.checkpoint import load_checkpoint, save_checkpoint
     from shared_codec.quantized import quantizes
 
-    v0 = write_tiny_model("qwen3", tmp_path / "v0", seed=0, **SHAPE)
-    perturb_checkpoint(v0, tmp_path / "v1", seed=1, rate=(0.01, 0.03))
-    tensors = load_checkpoint(tmp_path / "v1")
+    perturb_checkpoint(src, dst, seed=seed, rate=(0.01, 0.03))
+    tensors = load_checkpoint(dst)
     for i, name in enumerate(sorted(n for n in tensors if quantizes(n))):
-        g = torch.Generator().manual_seed(100 + i)
+        g = torch.Generator().manual_seed(100 * seed + i)
         t = tensors[name].clone().reshape(-1)
         pick = torch.randperm(t.numel(), generator=g)[: t.numel() // 100]
         t[pick] = -t[pick]
         tensors[name] = t.reshape(tensors[name].shape)
-    save_checkpoint(tensors, tmp_path / "v1", like=v0)
-    q = [write_quantized_model(v, tmp_path / f"{fmt}-{v.name}", fmt) for v in (v0, tmp_path / "v1")]
-    return [str(v0), str(tmp_path / "v1")], [str(p) for p in q]
+    save_checkpoint(tensors, dst, like=src)
+    return dst
+
+
+def _versions(tmp_path: Path, fmt: str, n: int = 2) -> tuple[list[str], list[str]]:
+    """`n` BF16 versions (v0, then `_next_version` of the one before) and their quantized
+    checkpoints in `fmt`, written by the library quantizer."""
+    bf16 = [write_tiny_model("qwen3", tmp_path / "v0", seed=0, **SHAPE)]
+    for k in range(1, n):
+        bf16.append(_next_version(bf16[-1], tmp_path / f"v{k}", seed=k))
+    q = [write_quantized_model(v, tmp_path / f"{fmt}-{v.name}", fmt) for v in bf16]
+    return [str(v) for v in bf16], [str(p) for p in q]
 
 
 def _run(bf16: list[str], q: list[str], fmt: str, mode: str, tmp_path: Path, tp: int = 1) -> dict:
+    """The program on versions 0 and 1; a third version is its ``--recovery`` step."""
     out = tmp_path / f"{mode}.json"
+    recovery = ["--recovery", json.dumps([bf16[2], q[2]])] if len(bf16) > 2 else []
     run_program(
-        [PYTHON, str(REPO / "tests/integration/vllm/quantized_program.py"), "--bf16", json.dumps(bf16),
-         "--quantized", json.dumps(q), "--format", fmt, "--mode", mode, "--out", str(out),
-         "--tp", str(tp)],
+        [PYTHON, str(REPO / "tests/integration/vllm/quantized_program.py"), "--bf16",
+         json.dumps(bf16[:2]), "--quantized", json.dumps(q[:2]), "--format", fmt, "--mode", mode,
+         "--out", str(out), "--tp", str(tp), *recovery],
         timeout=900,
         env=base_env(**(TP2_ENV if tp > 1 else {})),
         log=tmp_path / f"{mode}.log",
@@ -117,3 +126,23 @@ def test_quantized_refit_engine_tp2(tmp_path: Path):
     rep = _run(bf16, q, fmt, "refit", tmp_path, tp=2)
     fresh = _run(bf16, q, fmt, "fresh", tmp_path, tp=2)["fresh"]
     _check(rep, fresh, fmt, tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8-channel", "fp8-channel"])
+def test_quantized_partial_apply_then_overwrite_retry(tmp_path: Path, fmt: str):
+    """After v1, version 2's attempt 0 fails part-way on the engine (fault plan: after 5
+    items), leaving some layers written and not re-derived in between. It is aborted; the
+    overwrite retry of the complete changed set (weights and scales as overwrites) repairs the
+    engine: every tensor and the greedy tokens equal a dense load of the quantized v2."""
+    bf16, q = _versions(tmp_path, fmt, n=3)
+    rep = _run(bf16, q, fmt, "refit", tmp_path)
+    for r in rep["ack_partial"]:
+        assert not r["ok"] and "InjectedFailure" in r["error"], r
+    assert rep["partial"]["digests"] not in (rep["applied"]["digests"], rep["dense2"]["digests"])
+    assert all(r["ok"] for r in rep["abort"] + rep["stage_retry"] + rep["ack_retry"])
+    assert all(r["items"] > 0 for r in rep["ack_retry"])
+    assert rep["retried"]["tensors"] == rep["dense2"]["tensors"]
+    assert rep["retried"]["digests"] == rep["dense2"]["digests"] != rep["applied"]["digests"]
+    assert rep["retried"]["tokens"] == rep["dense2"]["tokens"]
+    assert all(r["ok"] for r in rep["commit2"] + rep["dense_v2"])
