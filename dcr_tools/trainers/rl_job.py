@@ -3,8 +3,8 @@
 --relay tcp://ROOT:PORT)``.
 
 Every rank loads the HF checkpoint into a GPTModel through the bridge (`trainer.py`), attaches
-the DCR owner hook (mode X, no optimizer wrapping: the coordinator decides when to build), and
-serves the owner service (`service.py`) with the loop's own ops:
+the DCR owner hook (mode X, no optimizer wrapping: the coordinator decides when to build; with
+``--quantization FMT`` it sends quantized deltas for engines serving that format), and serves the owner service (`service.py`) with the loop's own ops:
 
 - ``pg_step`` {samples: [{prompt, completion, advantage}]}: one policy-gradient optimizer step;
 - ``train`` {step}: one next-token optimizer step on a deterministic random batch;
@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--bucket-bytes", type=int, default=1 << 16)
     ap.add_argument("--min-bucket-bytes", type=int, default=1 << 16, help="the taper's floor")
+    ap.add_argument(
+        "--quantization", default="", help="the engines' quantized format (DCRConfig.quantization)"
+    )
+    ap.add_argument(
+        "--overwrite-only", default="", help="comma-separated tensors the engines take no XOR for"
+    )
     args = ap.parse_args(argv)
 
     from dcr_tools.trainers.trainer import Trainer, start
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
             wrap_step=False,
             bucket_bytes=args.bucket_bytes,
             min_bucket_bytes=args.min_bucket_bytes,
+            quantization=args.quantization or None,
+            overwrite_only=frozenset(n for n in args.overwrite_only.split(",") if n),
         ),
     )
 

@@ -27,8 +27,20 @@ from shared_codec.transport.store import DirectoryStore
 
 
 class Cluster:
-    def __init__(self, ckpt: Path, tmp: Path, receivers: int = 2, replica: bool = False) -> None:
+    def __init__(
+        self,
+        ckpt: Path,
+        tmp: Path,
+        receivers: int = 2,
+        replica: bool = False,
+        quantization: str | None = None,
+    ) -> None:
+        """`quantization`: the engines serve the library's quantized checkpoint in that format
+        (`write_quantized_model` of each BF16 export: `checkpoint_for`), and the trainer job
+        sends quantized deltas (``--quantization``; the scales overwrite-only, as the engines'
+        prewarm reports them)."""
         self.ckpt, self.tmp = ckpt, tmp
+        self.quantization = quantization
         self.replica: ReplicaReceiver | None = None
         if replica:
             with ReplicaStore(tmp / "replica") as store:
@@ -43,7 +55,21 @@ class Cluster:
         self.owners: RemoteOwners | None = None
 
     def checkpoint_for(self, version: int) -> str:
-        return str(self.ckpts / f"v{version}")
+        """The checkpoint the engines hold at `version` (quantized: `export` writes it)."""
+        return str(self.ckpts / (f"q{version}" if self.quantization else f"v{version}"))
+
+    def export(self, version: int) -> str:
+        """The trainer's export of the current weights as `version` (and, for quantized
+        engines, its quantized checkpoint); returns `checkpoint_for(version)`."""
+        assert self.owners is not None
+        self.owners.call("export", path=str(self.ckpts / f"v{version}"))
+        if self.quantization:
+            from dcr_tools.fixtures import write_quantized_model
+
+            write_quantized_model(
+                self.ckpts / f"v{version}", self.checkpoint_for(version), self.quantization
+            )
+        return self.checkpoint_for(version)
 
     def fault_plan(self, receiver: int) -> Path:
         """The fault plan file engine `receiver`'s environment names (``DCR_FAULT_PLAN``)."""
@@ -56,15 +82,26 @@ class Cluster:
 
     def start(self) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
+        quantized: list[str] = []
+        serve = self.ckpt
+        if self.quantization:
+            from dcr_tools.fixtures import write_quantized_model
+            from shared_codec.checkpoint import load_checkpoint
+            from shared_codec.quantized import quantizes, scale_name
+
+            scales = sorted(scale_name(n) for n in load_checkpoint(self.ckpt) if quantizes(n))
+            quantized = ["--quantization", self.quantization, "--overwrite-only", ",".join(scales)]
+            serve = write_quantized_model(self.ckpt, self.tmp / "serve-q0", self.quantization)
         self.trainer = start_rl_job(
             self.ckpt,
             endpoint,
             ["--store", json.dumps(self.store_spec)],
+            *quantized,
             log=self.tmp / "trainer.log",
         )
         self.servers = [
             ServeProcess(
-                self.ckpt,
+                serve,
                 free_port(),
                 log=self.tmp / f"serve{i}.log",
                 # VLLM_PLUGINS=dcr: the general plugin and the /dcr/* endpoint plugin
@@ -75,7 +112,7 @@ class Cluster:
         urls = [s.start(timeout_s=420) for s in self.servers]
         self.owners = RemoteOwners(endpoint, timeout_s=300)
         self.owners.call("status", timeout_s=300)  # the trainer job is up
-        self.owners.call("export", path=self.checkpoint_for(0))
+        self.export(0)
         table = tensor_table(self.checkpoint_for(0))
         restore_from: Callable[[int], Any] = self.checkpoint_for
         if (self.tmp / "replica").is_dir():

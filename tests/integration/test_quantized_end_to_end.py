@@ -146,3 +146,50 @@ def test_quantized_engine_takes_the_overwrite_retry(trained: Path, tmp_path: Pat
     r = _engine(trained, "int8-channel", "v1", "v2", "v2_retry", tmp_path, attempt=1)
     _check_engine(r, "int8-channel")
     assert r["ack"][0]["target_version"] == 2
+
+
+@pytest.mark.megatron
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_quantized_engine_killed_mid_apply_is_restored_and_retried(tmp_path: Path) -> None:
+    """A coordinator cluster (tests/integration/_cluster.py) whose `vllm serve` engine serves
+    INT8 W8A8 and whose 2-rank trainer job sends quantized deltas. A clean refit is bit-exact
+    with a dense load of the quantized export. Then the engine is SIGKILLed mid-apply (fault
+    plan): attempt 0 fails with the engine unreachable, the coordinator restarts it, it
+    dense-loads the committed quantized checkpoint, and the overwrite retry commits version 2,
+    bit-exact with its dense load; one more refit after that is bit-exact too (the group
+    owners' baselines followed the commit)."""
+    from tests.integration._cluster import Cluster
+
+    ckpt = write_tiny_model("qwen3", tmp_path / "ckpt", seed=0, **SHAPE)
+    (tmp_path / "cluster").mkdir()
+    cluster = Cluster(ckpt, tmp_path / "cluster", receivers=1, quantization="int8-channel")
+    try:
+        cluster.start()
+        engine = cluster.receivers[0]
+        coord = cluster.coordinator(ack_timeout_s=240)
+        coord.initialize("export-v0")
+
+        def exact(version: int) -> None:
+            refit = engine.digest()
+            cluster.export(version)
+            assert cluster.dense_digest(version) == refit
+
+        cluster.owners.call("train", step=1)
+        res = coord.refit()
+        assert res.version == 1 and res.retries == 0
+        exact(1)
+        cluster.owners.call("train", step=2)
+        cluster.arm_fault(0, kill_after_items=3)
+        res = coord.refit()
+        first = res.attempts[0]
+        assert not first.ok and first.unreachable == {"engine0"}, first
+        assert res.retries == 1 and res.attempts[1].retry and res.record.version == 2
+        exact(2)
+        cluster.owners.call("train", step=3)
+        res = coord.refit()
+        assert res.version == 3 and res.retries == 0
+        exact(3)
+    finally:
+        cluster.stop()
