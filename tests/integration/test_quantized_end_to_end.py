@@ -151,20 +151,27 @@ def test_quantized_engine_takes_the_overwrite_retry(trained: Path, tmp_path: Pat
 @pytest.mark.megatron
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_quantized_engine_killed_mid_apply_is_restored_and_retried(tmp_path: Path) -> None:
+@pytest.mark.timeout(3000)
+def test_quantized_cluster_refits_through_kills_and_random_faults(tmp_path: Path) -> None:
     """A coordinator cluster (tests/integration/_cluster.py) whose `vllm serve` engine serves
-    INT8 W8A8 and whose 2-rank trainer job sends quantized deltas. A clean refit is bit-exact
-    with a dense load of the quantized export. Then the engine is SIGKILLed mid-apply (fault
-    plan): attempt 0 fails with the engine unreachable, the coordinator restarts it, it
-    dense-loads the committed quantized checkpoint, and the overwrite retry commits version 2,
-    bit-exact with its dense load; one more refit after that is bit-exact too (the group
-    owners' baselines followed the commit)."""
+    INT8 W8A8 and whose 2-rank trainer job sends quantized deltas; 10 transitions, each
+    bit-exact with a dense load of the quantized export of that version:
+    1. a clean refit;
+    2. the engine SIGKILLed mid-apply (fault plan): attempt 0 fails with the engine unreachable,
+       the coordinator restarts it, it dense-loads the committed quantized checkpoint, and the
+       overwrite retry commits (the group owners' baselines stayed at the committed version);
+    3-10. chaos: a seeded random fault per transition (killed mid-apply, killed mid-transfer,
+       failing part-way, or none)."""
+    import random
+
     from tests.integration._cluster import Cluster
 
     ckpt = write_tiny_model("qwen3", tmp_path / "ckpt", seed=0, **SHAPE)
     (tmp_path / "cluster").mkdir()
     cluster = Cluster(ckpt, tmp_path / "cluster", receivers=1, quantization="int8-channel")
+    rng = random.Random(20261207)
+    faults = [("kill_after_items", 0, 4), ("kill_after_payloads", 0, 2), ("fail_after_items", 0, 4)]
+    seen = []
     try:
         cluster.start()
         engine = cluster.receivers[0]
@@ -174,7 +181,7 @@ def test_quantized_engine_killed_mid_apply_is_restored_and_retried(tmp_path: Pat
         def exact(version: int) -> None:
             refit = engine.digest()
             cluster.export(version)
-            assert cluster.dense_digest(version) == refit
+            assert cluster.dense_digest(version) == refit, version
 
         cluster.owners.call("train", step=1)
         res = coord.refit()
@@ -187,9 +194,17 @@ def test_quantized_engine_killed_mid_apply_is_restored_and_retried(tmp_path: Pat
         assert not first.ok and first.unreachable == {"engine0"}, first
         assert res.retries == 1 and res.attempts[1].retry and res.record.version == 2
         exact(2)
-        cluster.owners.call("train", step=3)
-        res = coord.refit()
-        assert res.version == 3 and res.retries == 0
-        exact(3)
+        for version in range(3, 11):
+            cluster.owners.call("train", step=version)
+            fault = rng.choice([*faults, None])
+            if fault is not None:
+                key, lo, hi = fault
+                cluster.arm_fault(0, **{key: rng.randint(lo, hi)})
+            res = coord.refit()
+            seen.append((version, fault and fault[0], len(res.attempts)))
+            print(f"[trial {version}] {fault and fault[0]}: {len(res.attempts)} attempt(s)")
+            assert res.record.version == version
+            exact(version)
+        assert {f for _, f, _ in seen} >= {"kill_after_items", "fail_after_items"}, seen
     finally:
         cluster.stop()
