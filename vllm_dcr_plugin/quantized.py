@@ -225,6 +225,18 @@ def rederive(model: torch.nn.Module, paths: Iterable[str] | None = None) -> int:
     return len(wanted)
 
 
+def refused_tensors(model: torch.nn.Module, written: dict[str, frozenset[str]]) -> dict[str, str]:
+    """Prewarm's check (`verify`) as canonical refusals: each canonical tensor whose loader
+    writes a refused layer (`written`: `written_layers`) -> why."""
+    layers = verify(model)
+    out: dict[str, str] = {}
+    for name, paths in written.items():
+        reasons = [layers[p] for p in sorted(paths) if p in layers]
+        if reasons:
+            out[name] = f"writes a quantized layer DCR cannot re-derive: {reasons[0]}"
+    return out
+
+
 def verify(model: torch.nn.Module) -> dict[str, str]:
     """Prewarm's check (module docstring): module path -> why, for each refused layer."""
     refused: dict[str, str] = {}
@@ -290,6 +302,7 @@ __all__ = [
     "layers_of",
     "owns",
     "rederive",
+    "refused_tensors",
     "report",
     "verify",
     "written_layers",

@@ -138,12 +138,8 @@ class Receiver:
         self.placing.plan = caps.plan
         self.derived = derived.plan_rederive(self.model, caps.writes)
         self.quantized = quantized.written_layers(self.model, caps.writes)
-        refused_layers = quantized.verify(self.model)
-        self.refused = refused = dict(self.derived.refused)
-        for name, layers in self.quantized.items():
-            reasons = [refused_layers[p] for p in sorted(layers) if p in refused_layers]
-            if reasons:
-                refused[name] = f"writes a quantized layer DCR cannot re-derive: {reasons[0]}"
+        refused = {**self.derived.refused, **quantized.refused_tensors(self.model, self.quantized)}
+        self.refused = refused
         for name, why in refused.items():
             self.unsupported[name] = why
             self.overwrite_only.pop(name, None)

