@@ -170,6 +170,22 @@ def _checked(
     return control, transport, source, clients
 
 
+def _named_owners(info: DCRTrainerInitInfo, source: WeightSource | None) -> Any:
+    """The owners that take `source`'s named tensors at every `send_weights` (None without a
+    source). `ProtocolError` when a source comes with owners that cannot take it."""
+    if source is None:
+        return None
+    with arguments("trainer_init"):
+        take = getattr(info.owners, "take_weights", None)
+        if not callable(take):
+            raise TypeError(
+                "source: a WeightSource needs owners that take named tensors (owners="
+                "megatron_dcr_hooks.named.NamedTensorOwner on every rank), not "
+                f"{type(info.owners).__name__}"
+            )
+    return info.owners
+
+
 def _checkpoints(given: str | Callable[[int], Any] | None) -> Callable[[int], Any] | None:
     """`DCRTrainerInitInfo.checkpoint_for` (checked) as the handles take it: version -> path,
     or -> a context manager yielding the path (`EngineHandle.restore` holds it while loading)."""
@@ -232,6 +248,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.coordinator = coordinator
         self.builder = builder  # trainer_init's, for add_engine
+        self.named: Any = None  # owners taking the source's named tensors (trainer_init)
         self.last_result: RefitResult | None = None
 
     @classmethod
@@ -246,8 +263,11 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         version and resume the coordinator (version 0 is committed on first use). `client`:
         one `VLLMWeightSyncClient`, or a mapping of engine name -> client for several
         engines. Other ranks: nothing."""
+        named = _named_owners(init_info, source)
         if not init_info.is_sender:
-            return cls(client=client, source=source, is_sender=False)
+            engine = cls(client=client, source=source, is_sender=False)
+            engine.named = named
+            return engine
         info = init_info
         control_spec, transport, fetch_from, clients = _checked(info, client)
         control = control_spec.open_store()
@@ -289,15 +309,25 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
             coordinator.initialize()
         else:
             coordinator.resume()
-        return cls(
+        engine = cls(
             client=client, source=source, is_sender=True, coordinator=coordinator, builder=build
         )
+        engine.named = named
+        return engine
 
     # vLLM's base returns None; returning the result as well is harmless to its callers
     def send_weights(self, version: int | None = None) -> RefitResult | None:  # type: ignore[override]
         """Run one DCR transition to `version` (default: committed + 1) and return its result
         (rank 0; other ranks return None). Raises `RefitFailed` after the last attempt; the
-        committed version then stays in force on every engine (see docs/protocol.md)."""
+        committed version then stays in force on every engine (see docs/protocol.md).
+
+        With a `source` (a `WeightSource` given to `trainer_init`), every rank first hands its
+        stream to the owners (``owners.take_weights(source)``, a collective: the named-tensor
+        owner, megatron_dcr_hooks.named); a refused stream raises its `ArgumentError` on every
+        rank before any engine is called."""
+        if self.named is not None:
+            assert self.source is not None
+            self.named.take_weights(self.source)
         if not self.is_sender:
             return None
         assert self.coordinator is not None

@@ -409,3 +409,72 @@ def test_async_rl_pause_keep_apply_resume(server: Server, tmp_path: Path):
     assert [s["version"] for s in done[0][1]["weight_versions"]] == [str(version)]
     after = server.checksums()
     assert dense_checksums(server, engine, version) == after
+
+
+def test_named_owner_takes_a_module_source(server: Server, tmp_path: Path):
+    """A framework's hand-over: vLLM's own `ModuleSource` over a real HF model that a real
+    optimizer steps, taken by the named-tensor owner at every ``send_weights`` (no Megatron,
+    no test owners). After each step the engine's checksums equal a dense load of the model's
+    state, and a refused stream leaves the engine at the committed version."""
+    import torch
+    import transformers
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from megatron_dcr_hooks.named import NamedTensorOwner
+    from shared_codec.checkpoint import save_checkpoint
+    from shared_codec.errors import ArgumentError
+    from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
+
+    v0 = server.versions[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(v0, dtype=torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e-3)
+    store = {"kind": "dir", "root": str(tmp_path / "store")}
+    owner = NamedTensorOwner(store, v0)
+    info = DCRTrainerInitInfo(
+        rank=0,
+        control=store,
+        transport=store,
+        owners=owner,  # type: ignore[arg-type]
+        tensors=tensor_table(v0),
+        checkpoint_for=str(server.root / "v{version}"),
+        dense_load_at_init=True,
+        verify=True,
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(server.url, timeout=600), source=ModuleSource(model)
+    )
+    native = engine.coordinator.engines[0]
+    ids = torch.tensor([[1, 5, 9, 14, 3, 77, 21, 8]])
+    for step in (1, 2, 3):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        res = engine.send_weights()
+        assert res.version == step and res.retries == 0
+        assert 0 < owner.last_take.element_change_rate < 0.5, owner.last_take
+        after = server.checksums()
+        state = {n: p.detach().clone() for n, p in model.named_parameters()}
+        dense = save_checkpoint(state, tmp_path / f"dense{step}", like=v0)
+        native.initialize(step, str(dense))  # the oracle: a dense load of the same state
+        assert server.checksums() == after, step
+
+    class WrongDtype(ModuleSource):
+        def __iter__(self):
+            for name, t in super().__iter__():
+                yield name, (t.float() if name == "model.norm.weight" else t)
+
+    engine.source = WrongDtype(model)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # a change the refused stream must not deliver
+    with pytest.raises(ArgumentError, match="model.norm.weight.*torch.float32"):
+        engine.send_weights()
+    assert engine.coordinator.committed_version() == 3
+    assert server.checksums() == after and server.weight_version() == "3"
+    engine.source = ModuleSource(model)  # the framework's next sync: delivered
+    assert engine.send_weights().version == 4
+    after = server.checksums()
+    state = {n: p.detach().clone() for n, p in model.named_parameters()}
+    native.initialize(4, str(save_checkpoint(state, tmp_path / "dense4", like=v0)))
+    assert server.checksums() == after
