@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from megatron_dcr_hooks.sink import Sink
 from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig
+from shared_codec.stream import Sink
 
 
 class ConstructionMode(StrEnum):

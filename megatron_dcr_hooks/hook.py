@@ -82,12 +82,12 @@ from megatron_dcr_hooks.ownership import owns
 from megatron_dcr_hooks.projection import project
 from megatron_dcr_hooks.quantized import QuantizedOwner
 from megatron_dcr_hooks.residual import ResidualBaseline
-from megatron_dcr_hooks.sink import PayloadStream, Sink
 from megatron_dcr_hooks.tasks import Task, TaskKind, affine_share, build_tasks
 from shared_codec.errors import ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import warm_up
 from shared_codec.quantized import format_of
+from shared_codec.stream import PayloadStream, Sink
 
 __all__ = [
     "BuildReport",

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dcr_hooks.groups import ParallelGroups
-from megatron_dcr_hooks.tasks import Task, stable_hash
+from megatron_dcr_hooks.tasks import Task
+from shared_codec.scan import stable_hash
 
 
 @dataclass(frozen=True, slots=True)

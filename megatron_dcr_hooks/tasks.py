@@ -36,7 +36,6 @@ Limitations:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -116,11 +115,6 @@ class Task:
         p = self.param_task.param
         assert p is not None, f"{self.name} is held by another pipeline stage"
         return p
-
-
-def stable_hash(name: str) -> int:
-    """A process-independent hash of a name (ownership must agree on every rank)."""
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def _runs(local: np.ndarray, name_of: np.ndarray, hf: np.ndarray, names: list[str]) -> AffineMap:

@@ -118,7 +118,7 @@ class ReadTwo:
 
 
 def inject(model: torch.nn.Module, rate: float, seed: int) -> None:
-    from megatron_dcr_hooks.tasks import stable_hash
+    from shared_codec.scan import stable_hash
 
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -105,10 +105,10 @@ def run(
     scan_chunks: tuple[int, ...] = SCAN_CHUNKS,
 ) -> dict[str, Any]:
     """Time the operations with the tensor on `device` (module docstring)."""
-    from megatron_dcr_hooks.detection import DeviceScan
     from shared_codec.dtypes import tensor_bits
     from shared_codec.kernels import changed_indices, warm_up
     from shared_codec.records import Kind, make_item
+    from shared_codec.scan import DeviceScan
     from vllm_dcr_plugin.intercept import ViewGeom, flat_storage_bits
     from vllm_dcr_plugin.scatter import scatter_direct
 

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks.detection import DeviceScan, changed_bits
+from shared_codec.scan import DeviceScan, changed_bits
 
 
 class CountingScan(DeviceScan):

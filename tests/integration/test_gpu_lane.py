@@ -30,12 +30,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dcr_hooks.detection import DeviceScan, changed_bits
 from megatron_dcr_hooks.hook import DCRHook
 from shared_codec.buckets import encode_items
 from shared_codec.errors import CandidateChanged
 from shared_codec.format import PayloadMeta
 from shared_codec.records import Kind, diff_tensors, make_item
+from shared_codec.scan import DeviceScan, changed_bits
 from tests.unit.megatron.test_hook_units import (  # noqa: F401 - `groups` is a fixture
     FakeModel,
     FakeNorm,

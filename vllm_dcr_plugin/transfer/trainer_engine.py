@@ -180,7 +180,7 @@ def _named_owners(info: DCRTrainerInitInfo, source: WeightSource | None) -> Any:
         if not callable(take):
             raise TypeError(
                 "source: a WeightSource needs owners that take named tensors (owners="
-                "megatron_dcr_hooks.named.NamedTensorOwner on every rank), not "
+                "shared_codec.named.NamedTensorOwner on every rank), not "
                 f"{type(info.owners).__name__}"
             )
     return info.owners
@@ -323,7 +323,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
 
         With a `source` (a `WeightSource` given to `trainer_init`), every rank first hands its
         stream to the owners (``owners.take_weights(source)``, a collective: the named-tensor
-        owner, megatron_dcr_hooks.named); a refused stream raises its `ArgumentError` on every
+        owner, shared_codec.named); a refused stream raises its `ArgumentError` on every
         rank before any engine is called."""
         if self.named is not None:
             assert self.source is not None

@@ -422,9 +422,9 @@ def test_named_owner_takes_a_module_source(server: Server, tmp_path: Path):
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from megatron_dcr_hooks.named import NamedTensorOwner
     from shared_codec.checkpoint import save_checkpoint
     from shared_codec.errors import ArgumentError
+    from shared_codec.named import NamedTensorOwner
     from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
 
     v0 = server.versions[0]

@@ -30,9 +30,9 @@ from megatron_dcr_hooks.tasks import (
     TaskKind,
     _runs,
     classify_tasks,
-    stable_hash,
 )
 from shared_codec.errors import OwnerBuildError
+from shared_codec.scan import stable_hash
 
 # -- synthetic layouts ---------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ from megatron_dcr_hooks.collectives import (
     group_device,
     with_host,
 )
-from megatron_dcr_hooks.detection import DeviceScan, changed_bits
 from megatron_dcr_hooks.groups import ParallelGroups, RankGroup, takes_host_tensors
+from shared_codec.scan import DeviceScan, changed_bits
 from tests.device_only import device_only_group
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import megatron_dcr_hooks.detection as detection_mod
 import megatron_dcr_hooks.hook as hook_mod
 import megatron_dcr_hooks.residual as residual_mod
+import shared_codec.scan as scan_mod
 from megatron_dcr_hooks.conversion import ParamTask
 from megatron_dcr_hooks.groups import ParallelGroups, RankGroup, takes_host_tensors
 from megatron_dcr_hooks.hook import ConstructionMode, DCRConfig, DCRHook, enable_dcr
@@ -353,7 +354,7 @@ def test_commit_advances_the_trackers_to_the_built_candidate_without_reading_the
         hook.build(hook.committed_version + 1)
         hook.payloads.clear()
         with monkeypatch.context() as m:  # commit must not detect: any scan fails the test
-            m.setattr(detection_mod, "changed_indices", _no_scan)  # the scans (issue 29
+            m.setattr(scan_mod, "changed_indices", _no_scan)  # the scans (issue 29
             m.setattr(residual_mod, "changed_indices", _no_scan)  # split them out of hook.py)
             hook.commit(verify=False)
         params = {t.index: t.param for t in hook.tasks}

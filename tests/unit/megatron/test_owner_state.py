@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_dcr_hooks.detection as detection_mod
 import megatron_dcr_hooks.hook as hook_mod
 import megatron_dcr_hooks.residual as residual_mod
+import shared_codec.scan as scan_mod
 from megatron_dcr_hooks import Candidate, OwnerState
 from megatron_dcr_hooks.candidate import OwnerLedger
 from megatron_dcr_hooks.groups import ParallelGroups, RankGroup
@@ -214,7 +214,7 @@ def test_commit_reads_no_shard_at_any_scan_site(
         raise AssertionError("commit scanned")
 
     with monkeypatch.context() as m:
-        for mod in (detection_mod, residual_mod):
+        for mod in (scan_mod, residual_mod):
             m.setattr(mod, "changed_indices", no_scan)
         hook.commit(verify=False)
     params = {t.index: t.param for t in hook.tasks}

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_dcr_hooks.named import NamedOwnerConfig, NamedTensorOwner
 from shared_codec.checkpoint import bits_equal
 from shared_codec.decode import decode_payload
 from shared_codec.errors import ArgumentError, ProtocolError
+from shared_codec.named import NamedOwnerConfig, NamedTensorOwner
 from shared_codec.records import Kind, apply_items
 from shared_codec.transport.spec import TransportSpec
 

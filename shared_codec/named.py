@@ -5,7 +5,7 @@ Hugging Face named full tensors (a Megatron-Bridge export, an FSDP2 full state d
 model's ``named_parameters()``), never as Megatron shards. `NamedTensorOwner` takes such a
 stream, diffs it by stored bits against a host baseline of the committed canonical checkpoint,
 and is the coordinator's `Owners` (shared_codec.coordination.participants): the same payloads
-under the same commit protocol as the owner-local Megatron hook (hook.py). Call order:
+under the same commit protocol as the owner-local Megatron hook (megatron_dcr_hooks.hook). Call order:
 
 1. ``take_weights(source)`` on every rank that iterates the stream (collective over `group`):
    the candidate of the next version. `source` yields ``(name, tensor)`` pairs: any iterable,
@@ -63,9 +63,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_dcr_hooks.detection import DeviceScan, changed_bits
-from megatron_dcr_hooks.sink import PayloadStream
-from megatron_dcr_hooks.tasks import stable_hash
 from shared_codec.buckets import DEFAULT_BUCKET_BYTES, BucketConfig, encode_items
 from shared_codec.checkpoint import iter_checkpoint
 from shared_codec.coordination.protocol import BuildReply
@@ -75,6 +72,8 @@ from shared_codec.errors import ArgumentError, ProtocolError
 from shared_codec.format import PayloadMeta
 from shared_codec.kernels import set_scatter
 from shared_codec.records import DeltaItem, Kind, make_item
+from shared_codec.scan import DeviceScan, changed_bits, stable_hash
+from shared_codec.stream import PayloadStream
 from shared_codec.transport.base import Seal
 from shared_codec.transport.spec import Role, TransportSpec
 
@@ -86,7 +85,8 @@ Change = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 @dataclass(frozen=True, kw_only=True)
 class NamedOwnerConfig:
-    """How a `NamedTensorOwner` encodes (the payload settings of `DCRConfig`, config.py).
+    """How a `NamedTensorOwner` encodes (the payload settings of
+    megatron_dcr_hooks' `DCRConfig`).
 
     `xor`: mixed XOR/overwrite records (mode X); False: overwrites only (mode P).
     `overwrite_only`: canonical tensors the receivers cannot take XOR for (union of their
@@ -433,7 +433,7 @@ class NamedTensorOwner:
             )
             with self.spec.open_sink(version=version, attempt=attempt, owner=owner) as sink:
                 with PayloadStream(meta, cfg.buckets(), sink.send, cfg.queue_depth) as stream:
-                    # largest first: the buckets taper towards the end (hook.py)
+                    # largest first: the buckets taper towards the end (shared_codec.buckets)
                     for name in sorted(
                         c.changes[owner], key=lambda n: -c.changes[owner][n][0].size
                     ):
