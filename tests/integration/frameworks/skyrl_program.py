@@ -1,6 +1,6 @@
 """A SkyRL trainer's weight sync on two gloo ranks (TP=2), run by torch.distributed.run on the
 SkyRL environment (.venv-skyrl): SkyRL 0.4.0's own ``build_trainer_engine`` (patched by
-`vllm_dcr_plugin.transfer.skyrl` for ``weight_sync_backend=dcr``), its own
+`vllm_dcr_plugin.frameworks.skyrl` for ``weight_sync_backend=dcr``), its own
 ``MegatronWeightSource`` over a real megatron-core GPTModel, and its own
 ``SkyrlWeightSyncClient`` against a ``vllm serve`` with backend ``dcr``.
 
@@ -71,7 +71,7 @@ def main() -> None:
     from megatron_dcr_hooks.conversion import export_hf_weights
     from shared_codec.checkpoint import save_checkpoint
     from shared_codec.errors import ArgumentError
-    from vllm_dcr_plugin.transfer import skyrl as dcr_skyrl
+    from vllm_dcr_plugin.frameworks import skyrl as dcr_skyrl
 
     cfg, chunks, _ = start_chunks(a.ckpt, ParallelLayout(tp=2))
     rank = dist.get_rank()

@@ -1,6 +1,6 @@
 """SkyRL drives DCR (issue 33 item 3): SkyRL 0.4.0's own weight sync (``build_trainer_engine``,
 ``MegatronWeightSource``, ``SkyrlWeightSyncClient``), patched only at its closed backend switch
-(`vllm_dcr_plugin.transfer.skyrl`), refits a ``vllm serve`` started with backend ``dcr`` from a
+(`vllm_dcr_plugin.frameworks.skyrl`), refits a ``vllm serve`` started with backend ``dcr`` from a
 real two-rank megatron-core job (TP=2, gloo). The trainer ranks run on the SkyRL environment
 (.venv-skyrl: SkyRL --no-deps over the rollout environment; ``make setup`` builds it).
 

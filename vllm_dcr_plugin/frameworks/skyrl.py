@@ -5,7 +5,7 @@ engine (trainer_engine.py) and the named-tensor owner (shared_codec.named).
 What a SkyRL user writes (docs/skyrl.md)::
 
     # every SkyRL process that builds a trainer engine (the policy workers), before training:
-    from vllm_dcr_plugin.transfer import skyrl
+    from vllm_dcr_plugin.frameworks import skyrl
     skyrl.install({"control": {...}, "transport": {...}, "checkpoint_for": ".../v{version}"})
     # config: generator.inference_engine.weight_sync_backend=dcr
     # servers: vllm serve MODEL --weight-transfer-config '{"backend": "dcr"}' (VLLM_SERVER_DEV_MODE=1)
@@ -91,7 +91,7 @@ def install(config: Mapping[str, Any] | None = None) -> None:
     got = importlib.metadata.version("skyrl")
     if got != SKYRL_VERSION:
         raise RuntimeError(
-            f"vllm_dcr_plugin.transfer.skyrl patches SkyRL {SKYRL_VERSION}, found {got}: "
+            f"vllm_dcr_plugin.frameworks.skyrl patches SkyRL {SKYRL_VERSION}, found {got}: "
             "check the patched functions (PATCHES) against it before pinning it"
         )
     if config is None:
@@ -164,33 +164,6 @@ def _builder(original: Callable[..., Any]) -> Callable[..., Any]:
     return build_trainer_engine
 
 
-def _baseline(config: dict[str, Any], base_model_path: str | None) -> tuple[str, int]:
-    """(the committed canonical checkpoint, its version): the version the control store's
-    commit record names (0 without one), whose checkpoint is ``checkpoint_for`` (a path
-    template) after version 0 and ``baseline`` or SkyRL's policy model path at version 0."""
-    from shared_codec.coordination.commit import CommitLog
-    from shared_codec.errors import ArgumentError
-    from shared_codec.transport.spec import Role, TransportSpec
-
-    given = config.pop("baseline", None)
-    store = TransportSpec.parse(config["control"], role=Role.STORE, what="control").open_store()
-    record = CommitLog(store).current()
-    version = 0 if record is None else record.version
-    if version == 0:
-        path = given or base_model_path
-    else:
-        template = config.get("checkpoint_for")
-        if not isinstance(template, str):
-            raise ArgumentError(
-                f"weight_sync_backend=dcr: version {version} is committed; its checkpoint "
-                "(the owners' baseline) needs checkpoint_for, a path template with {version}"
-            )
-        path = template.format(version=version)
-    if not path:
-        raise ArgumentError("weight_sync_backend=dcr: no baseline checkpoint (config 'baseline')")
-    return str(path), version
-
-
 def build_dcr_engine(
     *,
     ie_cfg: Any,
@@ -212,6 +185,7 @@ def build_dcr_engine(
     from shared_codec.checkpoint import tensor_table
     from shared_codec.errors import ArgumentError
     from shared_codec.named import NamedOwnerConfig, NamedTensorOwner
+    from vllm_dcr_plugin.frameworks import committed_baseline
     from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
 
     if getattr(ie_cfg, "speculative_config", None) is not None:
@@ -224,7 +198,8 @@ def build_dcr_engine(
             f"{data_parallel_size}"
         )
     config = dict(_config)
-    baseline, committed = _baseline(config, base_model_path)
+    baseline, committed = committed_baseline(config, base_model_path)
+    config.pop("baseline", None)
     owner_config = NamedOwnerConfig(**config.pop("owner", {}))
     source = source_factory(str_to_torch_dtype(ie_cfg.model_dtype), BACKEND)
     group = None
