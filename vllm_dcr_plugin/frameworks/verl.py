@@ -200,9 +200,11 @@ class DCRCheckpointEngine(CheckpointEngine):
         from shared_codec.errors import ArgumentError
         from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
 
-        if not self.servers:
-            raise ArgumentError("dcr: no rollout servers (the manager passes them, or 'servers')")
         if self.engine is None:
+            if not self.servers:  # later, none is a fleet scaled to zero: versions go on
+                raise ArgumentError(
+                    "dcr: no rollout servers (the manager passes them, or 'servers')"
+                )
             self.members = {url: server_name(i) for i, url in enumerate(self.servers)}
             info = DCRTrainerInitInfo(
                 rank=0,
@@ -250,7 +252,9 @@ class DCRCheckpointEngineManager(CheckpointEngineManager):
             n = self.actor_wg.world_size
             urls = self.server_urls()
             _resolved(
-                self.actor_wg.execute_checkpoint_engine(["init_process_group"] * n, servers=[urls] * n)
+                self.actor_wg.execute_checkpoint_engine(
+                    ["init_process_group"] * n, servers=[urls] * n
+                )
             )
             results = _resolved(
                 self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)

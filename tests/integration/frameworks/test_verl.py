@@ -70,3 +70,10 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
     assert after["after"] == after["dense"]
     # verl's abort before and resume after every sync, the failed one included
     assert r["replica_calls"] == ["abort", "resume"] * (len(r["steps"]) + 2)
+    # membership follows verl's replicas (remove_replicas / add_replicas)
+    gone = r["without_replica"]
+    assert gone["metrics"]["dcr/version"] == len(r["steps"]) + 2
+    assert gone["receivers"] == [] and gone["unchanged"]  # a version without the server
+    back = r["rejoined"]  # joined by a dense load of the committed version, then refit
+    assert back["metrics"]["dcr/version"] == len(r["steps"]) + 3 and back["members"] == ["replica0"]
+    assert back["after"] == back["dense"]

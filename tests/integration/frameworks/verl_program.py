@@ -179,11 +179,15 @@ def main() -> None:
     group = GlooWorkerGroup(worker)
 
     def dense(version: int) -> dict[str, Any]:
+        """The export now, saved as the version's checkpoint (``checkpoint_for``); with the
+        server a member, its checksums after the sync and after a dense load of the export."""
         state = export_hf_weights(chunks[0], cfg)  # a collective
         if rank != 0:
             return {}
-        after = checksums(a.url)
         path = save_checkpoint(state, out / f"dense{version}", like=a.ckpt)
+        if not engine.engine.coordinator.engines:
+            return {}
+        after = checksums(a.url)
         engine.engine.coordinator.engines[0].initialize(version, str(path))
         return {"after": after, "dense": checksums(a.url)}
 
@@ -249,7 +253,27 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
     entry = {"metrics": metrics}
     entry.update(both({"op": "dense", "version": a.steps + 1})[0])
     result["after_refusal"] = entry
-    result["replica_calls"] = replica.calls
+    result["replica_calls"] = list(replica.calls)
+    # membership follows verl's replicas: removed, a version without it, added back (joined
+    # by a dense load of the committed version's checkpoint), then a sync to it
+    v = a.steps + 1
+    manager.remove_replicas([replica])
+    both({"op": "train", "step": v + 1})
+    before = checksums(a.url)
+    metrics = manager.update_weights(global_steps=v + 1)
+    both({"op": "dense", "version": v + 1})
+    record = engine.engine.coordinator.commits.current()
+    result["without_replica"] = {
+        "metrics": metrics,
+        "receivers": list(record.receivers),
+        "unchanged": checksums(a.url) == before,
+    }
+    manager.add_replicas([replica])
+    both({"op": "train", "step": v + 2})
+    metrics = manager.update_weights(global_steps=v + 2)
+    entry = {"metrics": metrics, "members": list(engine.engine.members)}
+    entry.update(both({"op": "dense", "version": v + 2})[0])
+    result["rejoined"] = entry
     (out / "result.json").write_text(json.dumps(result, indent=1))
 
 
