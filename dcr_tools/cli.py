@@ -17,6 +17,9 @@ Subcommands (each has ``--help``):
   [--json]``: the rollout cluster's canonical replica store (dcr_tools/replica_cli.py).
 - ``dcr bench codec [--json PATH]``: codec benchmark (docs/benchmarks.md).
 - ``dcr bench affine [--json PATH]``: affine share of canonical weight bytes per verified family.
+- ``dcr bench named [--json PATH] [--size medium|small|large]``: the named-tensor owner (a
+  framework's full-tensor stream) against the owner-local hook on the same model: seconds and
+  host baseline per GB, payload bytes, bit-exactness (a 2-rank Megatron job).
 - ``dcr bench construct [--json PATH] [--size medium|small|large] [--modes X,P,F]``: owner-side
   construction time, payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G[,G...]] [--rates R[,R...]]
@@ -152,6 +155,16 @@ def cmd_bench_construct(args: argparse.Namespace) -> int:
         "dcr_tools.bench.construct", ["--size", args.size, "--modes", args.modes, *extra]
     )
     return subprocess.call(cmd)
+
+
+def cmd_bench_named(args: argparse.Namespace) -> int:
+    # a 2-rank gloo job, like construct
+    import subprocess
+
+    from dcr_tools.procs import torchrun_cmd
+
+    extra = ["--json", args.json] if args.json else []
+    return subprocess.call(torchrun_cmd("dcr_tools.bench.named", ["--size", args.size, *extra]))
 
 
 def cmd_bench_affine(args: argparse.Namespace) -> int:
@@ -479,6 +492,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes", default="X,P,F", help="comma-separated subset of X,P,F (default all three)"
     )
     p.set_defaults(func=cmd_bench_construct)
+    p = bsub.add_parser(
+        "named", help="named-tensor owner vs owner-local hook: time and memory per GB"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--size",
+        choices=("medium", "small", "large"),
+        default="medium",
+        help="medium: ~316M parameters (default); small: a quick run",
+    )
+    p.set_defaults(func=cmd_bench_named)
     p = bsub.add_parser("affine", help="affine share of canonical weight bytes per family")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_affine)
