@@ -25,7 +25,11 @@ How a sync runs (`DCRCheckpointEngineManager.update_weights`, on the driver):
    transition to every server through vLLM's ``HTTPVLLMWeightSyncClient`` and the ``dcr``
    weight-transfer backend in the servers' workers (committed, or `RefitFailed` with the
    committed version in force on every server); its metrics come back to verl;
-4. resume the replicas' generation (also after a failure).
+4. resume the replicas' generation (also after a failure). A replica that cannot be aborted
+   or resumed (dead, restarting) is logged and counted (``dcr/replicas_unreachable``), never
+   fails the sync: the coordinator evicts a dead server at its deadline (its restore fails),
+   the version commits without it, and when verl passes it back it joins at the committed
+   version (a dense load of ``checkpoint_for``).
 verl's rollout-side ``CheckpointEngineWorker`` and its kv-cache release are not used: DCR
 applies in place inside the vLLM workers.
 
@@ -42,6 +46,7 @@ Limitations:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -56,6 +61,8 @@ from verl.utils.ray_utils import auto_await
 
 BACKEND = "dcr"
 VERL_VERSION = "0.9.1"
+
+log = logging.getLogger("dcr.verl")
 
 
 def _resolved(refs: Any) -> Any:
@@ -215,12 +222,21 @@ class DCRCheckpointEngine(CheckpointEngine):
             clients = {name: self._client(url) for url, name in self.members.items()}
             self.engine = WeightTransferTrainerFactory.trainer_init(info, client=clients)
             return self.engine
+        current = set(self.engine.members)
         for url in [u for u in self.members if u not in self.servers]:
-            self.engine.remove_engine(self.members.pop(url))
-        for url in [u for u in self.servers if u not in self.members]:
-            used = set(self.members.values())
-            name = next(server_name(i) for i in range(len(used) + 1) if server_name(i) not in used)
-            self.engine.add_engine(name, self._client(url))
+            name = self.members.pop(url)
+            if name in current:  # not already evicted by a failed restore
+                self.engine.remove_engine(name)
+        for url in self.servers:
+            name = self.members.get(url)
+            if name is not None and name in current:
+                continue
+            if name is None:  # a new server; otherwise one evicted (dead) and back again
+                used = set(self.members.values())
+                name = next(
+                    server_name(i) for i in range(len(used) + 1) if server_name(i) not in used
+                )
+            self.engine.add_engine(name, self._client(url))  # joined at the committed version
             self.members[url] = name
         return self.engine
 
@@ -245,9 +261,21 @@ class DCRCheckpointEngineManager(CheckpointEngineManager):
             out.append(address if "://" in address else f"http://{address}")
         return out
 
+    async def _each(self, what: str, calls: list[Any]) -> int:
+        """Run one call per replica; a replica that fails it (dead, restarting) is logged and
+        counted, never fails the sync: DCR's coordinator evicts a dead server at its deadline,
+        and it joins again at the committed version once verl passes it back."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = 0
+        for replica, r in zip(self.replicas, results):
+            if isinstance(r, BaseException):
+                failed += 1
+                log.warning("dcr: %s failed on replica %s: %s", what, replica.server_address, r)
+        return failed
+
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
-        await self.abort_replicas()
+        unreachable = await self._each("abort", [r.abort_all_requests() for r in self.replicas])
         try:
             n = self.actor_wg.world_size
             urls = self.server_urls()
@@ -260,8 +288,8 @@ class DCRCheckpointEngineManager(CheckpointEngineManager):
                 self.actor_wg.update_weights(global_steps=global_steps, mode=self.backend)
             )
         finally:
-            await self.resume_generation_replicas()
-        metrics: dict[str, Any] = {}
+            resumed = await self._each("resume", [r.resume_generation() for r in self.replicas])
+        metrics: dict[str, Any] = {"dcr/replicas_unreachable": max(unreachable, resumed)}
         for result in results[:n]:
             if isinstance(result, dict):
                 metrics.update(result)

@@ -12,10 +12,12 @@ load of the same Megatron export.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
+from dcr_tools import faults
 from dcr_tools.fixtures import write_tiny_model
 from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, run_program
 
@@ -32,27 +34,41 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
         v0,
         free_port(),
         log=tmp_path / "serve.log",
-        env=base_env(VLLM_SERVER_DEV_MODE="1"),
+        env=base_env(VLLM_SERVER_DEV_MODE="1", **{faults.ENV: str(tmp_path / "faults.json")}),
         extension=False,
         extra_args=["--weight-transfer-config", json.dumps({"backend": "dcr"})],
     )
     url = server.start(timeout_s=420)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = threading.Event()
+
+    def restarter() -> None:  # what verl does for a dead replica: start it again
+        while not done.is_set():
+            if (out / "restart").exists() and not (out / "restarted").exists():
+                server.stop()
+                server.start(timeout_s=420)
+                (out / "restarted").write_text("ok")
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=restarter, daemon=True)
+    watcher.start()
     try:
-        out = tmp_path / "out"
-        out.mkdir()
         run_program(
             [
                 str(VERL_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                 str(REPO / "tests/integration/frameworks/verl_program.py"),
                 "--ckpt", str(v0), "--url", url, "--store", str(tmp_path / "store"),
-                "--out", str(out),
+                "--out", str(out), "--fault-plan", str(tmp_path / "faults.json"),
             ],
-            timeout=900,
+            timeout=1500,
             env=base_env(OMP_NUM_THREADS="1"),
             log=tmp_path / "ranks.log",
         )  # fmt: skip
     finally:
+        done.set()
+        watcher.join(timeout=600)
         server.stop()
     r = json.loads((out / "result.json").read_text())
     assert r["engine"] == "DCRCheckpointEngine"
@@ -65,9 +81,9 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
     assert "no canonical tensor" in bad["error"]
     assert '(0, "ArgumentError' in bad["error"] and '(1, "ArgumentError' in bad["error"]
     assert bad["unchanged"] and bad["committed"] == len(r["steps"])
-    after = r["after_refusal"]
+    after = r["after_refusal"]  # failed part-way (a fault plan), repaired by the retry
     assert after["metrics"]["dcr/version"] == len(r["steps"]) + 1
-    assert after["after"] == after["dense"]
+    assert after["metrics"]["dcr/retries"] == 1 and after["after"] == after["dense"]
     # verl's abort before and resume after every sync, the failed one included
     assert r["replica_calls"] == ["abort", "resume"] * (len(r["steps"]) + 2)
     # membership follows verl's replicas (remove_replicas / add_replicas)
@@ -77,3 +93,11 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
     back = r["rejoined"]  # joined by a dense load of the committed version, then refit
     assert back["metrics"]["dcr/version"] == len(r["steps"]) + 3 and back["members"] == ["replica0"]
     assert back["after"] == back["dense"]
+    # killed mid-apply: evicted, the version commits without it; restarted, it joins again
+    killed = r["killed"]
+    assert killed["metrics"]["dcr/version"] == len(r["steps"]) + 4
+    assert killed["receivers"] == [] and killed["members"] == []
+    assert killed["metrics"]["dcr/replicas_unreachable"] == 1  # the resume found it dead
+    again = r["restarted"]
+    assert again["metrics"]["dcr/version"] == len(r["steps"]) + 5
+    assert again["members"] == ["replica0"] and again["after"] == again["dense"]

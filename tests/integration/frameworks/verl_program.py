@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--fault-plan", required=True)
     a = ap.parse_args()
     out = Path(a.out)
 
@@ -224,6 +226,7 @@ def main() -> None:
 
 def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) -> None:
     """Rank 0: the steps, the bad stream, the next sync (module docstring)."""
+    from dcr_tools import faults
     from vllm_dcr_plugin.frameworks.verl import DCRCheckpointEngineManager
 
     replica = HttpReplica(a.url)
@@ -249,6 +252,8 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
         committed=engine.engine.coordinator.committed_version(),
     )
     both({"op": "extra", "pairs": []})
+    # the server fails part-way through the next update: the overwrite retry repairs it
+    faults.arm(a.fault_plan, fail_after_items=2)
     metrics = manager.update_weights(global_steps=a.steps + 1)
     entry = {"metrics": metrics}
     entry.update(both({"op": "dense", "version": a.steps + 1})[0])
@@ -274,6 +279,29 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
     entry = {"metrics": metrics, "members": list(engine.engine.members)}
     entry.update(both({"op": "dense", "version": v + 2})[0])
     result["rejoined"] = entry
+    # the server dies mid-apply (SIGKILL of its worker): evicted, the version commits without
+    # it; restarted (by the test, as verl restarts a replica), it joins at the committed version
+    faults.arm(a.fault_plan, kill_after_items=2)
+    both({"op": "train", "step": v + 3})
+    metrics = manager.update_weights(global_steps=v + 3)
+    both({"op": "dense", "version": v + 3})
+    record = engine.engine.coordinator.commits.current()
+    result["killed"] = {
+        "metrics": metrics,
+        "receivers": list(record.receivers),
+        "members": list(engine.engine.members),
+    }
+    (out / "restart").write_text("restart the server")
+    deadline = time.monotonic() + 600
+    while not (out / "restarted").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test did not restart the server")
+        time.sleep(0.5)
+    both({"op": "train", "step": v + 4})
+    metrics = manager.update_weights(global_steps=v + 4)
+    entry = {"metrics": metrics, "members": list(engine.engine.members)}
+    entry.update(both({"op": "dense", "version": v + 4})[0])
+    result["restarted"] = entry
     (out / "result.json").write_text(json.dumps(result, indent=1))
 
 
