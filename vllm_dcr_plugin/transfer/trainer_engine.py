@@ -29,7 +29,10 @@ handle as `trainer_init` builds its clients' and joins it through the coordinato
 engine joining without it is refused before it is called), a prewarm, the next version's reserved
 attempts fenced; it receives every transition from the next one on. ``remove_engine(name)``
 takes one out (`Coordinator.leave`: it keeps the weights it holds, nothing more is sent to it).
-Each commit record's ``receivers`` lists that version's members.
+Each commit record's ``receivers`` lists that version's members. An engine the coordinator
+evicted during a transition (dead: its restore failed, the version committed without it) is
+tried again before each later `send_weights` and joins at the committed version (a dense load
+from ``checkpoint_for``) once it answers: a framework that restarts a dead server needs no call.
 
 Multi-rank trainers: `trainer_init`, `send_weights`, `add_engine` and `remove_engine` may run on
 every rank; rank 0 drives everything and the other ranks return at once (the owners' collective
@@ -45,6 +48,7 @@ Limitations:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -73,6 +77,8 @@ from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import register_backends
 from vllm_dcr_plugin.transfer.native import NativeEngine
 from vllm_dcr_plugin.transfer.worker_engine import _name
+
+log = logging.getLogger("dcr.trainer")
 
 
 @dataclass
@@ -249,6 +255,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         self.coordinator = coordinator
         self.builder = builder  # trainer_init's, for add_engine
         self.named: Any = None  # owners taking the source's named tensors (trainer_init)
+        self.evicted: dict[str, Any] = {}  # engine name -> its client (rejoin, `_rejoin`)
         self.last_result: RefitResult | None = None
 
     @classmethod
@@ -331,6 +338,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if not self.is_sender:
             return None
         assert self.coordinator is not None
+        self._rejoin()
         if version is not None:
             committed = self.coordinator.committed_version()
             with arguments("send_weights"):
@@ -344,8 +352,34 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
                         f"version must be the committed version + 1 ({committed + 1}), got "
                         f"{version}: versions are consecutive"
                     )
-        self.last_result = self.coordinator.refit(version)
+        before = {e.name: e for e in self.coordinator.engines}
+        try:
+            self.last_result = self.coordinator.refit(version)
+        finally:  # engines the coordinator evicted (their restore failed) may come back
+            for name, e in before.items():
+                if name not in self.coordinator.members:
+                    self.evicted[name] = e.client  # type: ignore[attr-defined]
         return self.last_result
+
+    def _rejoin(self) -> None:
+        """Rank 0, before a transition: each engine the coordinator evicted (dead, its
+        restore failed) joins again (`Coordinator.join`: a dense load of the committed
+        version from ``checkpoint_for``, a prewarm) once it answers; one that still does not
+        stays out, logged, and is tried again at the next `send_weights`."""
+        if self.builder is None or self.builder.checkpoint_for is None:
+            return
+        assert self.coordinator is not None
+        for name, client in list(self.evicted.items()):
+            if name in self.coordinator.members:
+                del self.evicted[name]
+                continue
+            try:
+                self.coordinator.join(self.builder(name, client))
+            except Exception as e:  # still down: the transition goes on without it
+                log.warning("dcr: evicted engine %s did not rejoin: %s", name, e)
+                continue
+            del self.evicted[name]
+            log.info("dcr: evicted engine %s rejoined at the committed version", name)
 
     # -- membership (between transitions) ------------------------------------------------------
     @property
@@ -393,6 +427,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if not self.is_sender:
             return None
         assert self.coordinator is not None
+        self.evicted.pop(name, None)
         with arguments("remove_engine"):
             _name(name, "engine name")
             if name not in self.coordinator.members:

