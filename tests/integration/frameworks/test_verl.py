@@ -81,11 +81,15 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
     assert "no canonical tensor" in bad["error"]
     assert '(0, "ArgumentError' in bad["error"] and '(1, "ArgumentError' in bad["error"]
     assert bad["unchanged"] and bad["committed"] == len(r["steps"])
+    shape = r["wrong_shape"]
+    assert "'model.norm.weight': got torch.bfloat16[63]" in shape["error"]
+    assert '(0, "ArgumentError' in shape["error"] and '(1, "ArgumentError' in shape["error"]
+    assert shape["unchanged"] and shape["committed"] == len(r["steps"])
     after = r["after_refusal"]  # failed part-way (a fault plan), repaired by the retry
     assert after["metrics"]["dcr/version"] == len(r["steps"]) + 1
     assert after["metrics"]["dcr/retries"] == 1 and after["after"] == after["dense"]
     # verl's abort before and resume after every sync, the failed one included
-    assert r["replica_calls"] == ["abort", "resume"] * (len(r["steps"]) + 2)
+    assert r["replica_calls"] == ["abort", "resume"] * (len(r["steps"]) + 3)
     # membership follows verl's replicas (remove_replicas / add_replicas)
     gone = r["without_replica"]
     assert gone["metrics"]["dcr/version"] == len(r["steps"]) + 2

@@ -42,12 +42,14 @@ class MegatronExport:
     def __init__(self, module: Any, cfg: dict[str, Any]) -> None:
         self.module, self.cfg = module, cfg
         self.extra: list = []
+        self.truncate: str | None = None  # a tensor handed over one row short
 
     def get_per_tensor_param(self) -> tuple[Any, None]:
         from megatron_dcr_hooks.conversion import iter_hf_export
 
         def stream() -> Any:
-            yield from iter_hf_export(self.module, self.cfg)
+            for name, t in iter_hf_export(self.module, self.cfg):
+                yield name, (t[:-1] if name == self.truncate else t)
             yield from self.extra
 
         return stream(), None
@@ -200,6 +202,7 @@ def main() -> None:
             return dense(call["version"])
         if call["op"] == "extra":
             export.extra = [tuple(x) for x in call["pairs"]]
+            export.truncate = call.get("truncate")
             return None
         return group.run(call)
 
@@ -248,6 +251,17 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
     except RuntimeError as e:
         result["unknown_name"] = {"error": str(e)}
     result["unknown_name"].update(
+        unchanged=checksums(a.url) == before,
+        committed=engine.engine.coordinator.committed_version(),
+    )
+    # a tensor of the wrong shape: refused the same way
+    both({"op": "extra", "pairs": [], "truncate": "model.norm.weight"})
+    try:
+        manager.update_weights(global_steps=a.steps + 1)
+        result["wrong_shape"] = {"error": None}
+    except RuntimeError as e:
+        result["wrong_shape"] = {"error": str(e)}
+    result["wrong_shape"].update(
         unchanged=checksums(a.url) == before,
         committed=engine.engine.coordinator.committed_version(),
     )
