@@ -130,6 +130,27 @@ def inject(model: torch.nn.Module, rate: float, seed: int) -> None:
             flat[pick] = (flat[pick].float() * (1 + 1e-2 * torch.randn(k, generator=g))).to(p.dtype)
 
 
+def start_job(size: str) -> tuple[dict[str, Any], Any]:
+    """This rank of the benchmark job (every rank; torchrun's environment): the CPU layer, the
+    gloo group, TP=2, and the randomly initialised Qwen3-shaped GPTModel of `size` (SIZES).
+    Returns (HF config, this rank's model)."""
+    from megatron_dcr_hooks import cpu_compat
+
+    cpu_compat.enable()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from dcr_tools.fixtures import hf_config, spec_for
+    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+
+    layout = ParallelLayout(tp=2)
+    layout.initialize()
+    model_parallel_cuda_manual_seed(1234)
+    cfg = hf_config(spec_for("qwen3", **SIZES[size]))
+    return cfg, build_gpt_model(cfg, layout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="medium", choices=sorted(SIZES))
@@ -140,25 +161,12 @@ def main() -> None:
     if not modes or set(args.modes.split(",")) - {"X", "P", "F"}:
         ap.error(f"--modes must name some of X,P,F, got {args.modes!r}")
 
-    from megatron_dcr_hooks import cpu_compat
-
-    cpu_compat.enable()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from dcr_tools.fixtures import hf_config, spec_for
-    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
 
-    rank = dist.get_rank()
-    layout = ParallelLayout(tp=2)
-    layout.initialize()
-    model_parallel_cuda_manual_seed(1234)
-    cfg = hf_config(spec_for("qwen3", **SIZES[args.size]))
     t0 = time.perf_counter()
-    model = build_gpt_model(cfg, layout)
+    cfg, model = start_job(args.size)
+    rank = dist.get_rank()
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(

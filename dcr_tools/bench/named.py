@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcr_tools.bench.construct import SIZES, inject
+from dcr_tools.bench.construct import SIZES, inject, start_job
 from dcr_tools.bench.stats import summarize
 
 REPEATS = 5
@@ -65,15 +65,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
 
-    from megatron_dcr_hooks import cpu_compat
-
-    cpu_compat.enable()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from dcr_tools.fixtures import hf_config, spec_for
-    from dcr_tools.trainers.model import ParallelLayout, build_gpt_model
+    cfg, model = start_job(args.size)
     from megatron_dcr_hooks.bridge_registry import architecture_of
     from megatron_dcr_hooks.conversion import export_hf_weights, iter_hf_export
     from megatron_dcr_hooks.hook import DCRConfig, DCRHook
@@ -84,11 +76,6 @@ def main() -> None:
     from shared_codec.transport.spec import TransportSpec
 
     rank = dist.get_rank()
-    layout = ParallelLayout(tp=2)
-    layout.initialize()
-    model_parallel_cuda_manual_seed(1234)
-    cfg = hf_config(spec_for("qwen3", **SIZES[args.size]))
-    model = build_gpt_model(cfg, layout)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     v0 = export_hf_weights(model, cfg)  # the committed canonical checkpoint (every rank)
     checkpoint_bytes = sum(t.numel() * t.element_size() for t in v0.values())
