@@ -17,10 +17,13 @@ from dcr_tools.fixtures import write_tiny_model
 from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, run_program
 
 
-def run_framework(tmp_path: Path, venv: str, program: str) -> dict[str, Any]:
+def run_framework(
+    tmp_path: Path, venv: str, program: str, *, chaos: bool = False
+) -> dict[str, Any]:
     """Start the server, run `program` (tests/integration/frameworks/PROGRAM) on two ranks with
-    the interpreter of `venv`, restart the server when the program asks; return the program's
-    ``result.json``. Skips (with the reason) where `make setup` did not build `venv`."""
+    the interpreter of `venv` (`chaos`: with ``--chaos``, the server killed mid-apply), restart
+    the server when the program asks; return the program's ``result.json``. Skips (with the
+    reason) where `make setup` did not build `venv`."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
         pytest.skip(f"no framework environment ({venv}): `make setup` builds it")
@@ -57,6 +60,7 @@ def run_framework(tmp_path: Path, venv: str, program: str) -> dict[str, Any]:
                 str(REPO / "tests/integration/frameworks" / program),
                 "--ckpt", str(v0), "--url", url, "--store", str(tmp_path / "store"),
                 "--out", str(out), "--fault-plan", str(plan),
+                *(["--chaos"] if chaos else []),
             ],
             timeout=1500,
             env=base_env(OMP_NUM_THREADS="1"),

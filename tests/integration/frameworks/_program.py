@@ -18,6 +18,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fault-plan", required=True)
+    ap.add_argument("--chaos", action="store_true", help="also kill the server mid-apply")
     return ap.parse_args()
 
 

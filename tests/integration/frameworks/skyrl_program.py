@@ -177,26 +177,27 @@ def main() -> None:
     entry = sync()  # no training step in between (a skipped step): an empty version
     entry.update(dense_check(a.steps + 2))
     result["unchanged_step"] = entry
-    # the server dies mid-apply (its worker SIGKILLed): evicted, the version commits without
-    # it; restarted (by the test, as SkyRL restarts a server), it rejoins at the next sync
-    from dcr_tools import faults
+    if a.chaos:
+        # the server dies mid-apply (its worker SIGKILLed): evicted, the version commits without
+        # it; restarted (by the test, as SkyRL restarts a server), it rejoins at the next sync
+        from dcr_tools import faults
 
-    faults.arm(a.fault_plan, kill_after_items=2)
-    trainer.step(a.steps + 2)
-    entry = sync()
-    entry.update(dense_check(a.steps + 3))
-    if rank == 0:
-        record = engine.coordinator.commits.current()
-        entry.update(receivers=list(record.receivers), members=list(engine.members))
-        await_restart(out)
-    result["killed"] = entry
-    dist.barrier()
-    trainer.step(a.steps + 3)
-    entry = sync()
-    entry.update(dense_check(a.steps + 4))
-    if rank == 0:
-        entry["members"] = list(engine.members)
-    result["rejoined"] = entry
+        faults.arm(a.fault_plan, kill_after_items=2)
+        trainer.step(a.steps + 2)
+        entry = sync()
+        entry.update(dense_check(a.steps + 3))
+        if rank == 0:
+            record = engine.coordinator.commits.current()
+            entry.update(receivers=list(record.receivers), members=list(engine.members))
+            await_restart(out)
+        result["killed"] = entry
+        dist.barrier()
+        trainer.step(a.steps + 3)
+        entry = sync()
+        entry.update(dense_check(a.steps + 4))
+        if rank == 0:
+            entry["members"] = list(engine.members)
+        result["rejoined"] = entry
     if rank == 0:
         (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()

@@ -20,7 +20,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
 
 
 def test_skyrl_weight_sync_refits_a_dcr_server(tmp_path: Path) -> None:
-    r = run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py")
+    check_syncs(run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py"))
+
+
+@pytest.mark.slow
+def test_skyrl_server_killed_mid_apply_rejoins(tmp_path: Path) -> None:
+    """The same syncs, then the server SIGKILLed mid-apply (slow lane: a second engine start)."""
+    r = run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py", chaos=True)
+    check_syncs(r)
+    n = len(r["steps"])
+    killed = r["killed"]  # the server died mid-apply: evicted, the version committed without it
+    assert killed["version"] == n + 3 and killed["retries"] >= 1
+    assert killed["receivers"] == [] and killed["members"] == []
+    back = r["rejoined"]  # restarted: joined at the committed version, then refit
+    assert back["version"] == n + 4 and back["members"] == ["engine0"]
+    assert back["after"] == back["dense"]
+
+
+def check_syncs(r: dict) -> None:
+    """Every step bit-exact; the refused streams; the empty version."""
     assert r["engine"] == "DCRTrainerWeightTransferEngine" and r["receive_backend"] == "dcr"
     assert r["source"] == "MegatronWeightSource" and r["client"] == "SkyrlWeightSyncClient"
     assert len(r["patches"]) == 3
@@ -39,10 +57,3 @@ def test_skyrl_weight_sync_refits_a_dcr_server(tmp_path: Path) -> None:
     same = r["unchanged_step"]  # no training in between: a version with nothing to send
     assert same["version"] == len(r["steps"]) + 2 and same["change_rate"] == 0
     assert same["after"] == same["dense"]
-    n = len(r["steps"])
-    killed = r["killed"]  # the server died mid-apply: evicted, the version committed without it
-    assert killed["version"] == n + 3 and killed["retries"] >= 1
-    assert killed["receivers"] == [] and killed["members"] == []
-    back = r["rejoined"]  # restarted: joined at the committed version, then refit
-    assert back["version"] == n + 4 and back["members"] == ["engine0"]
-    assert back["after"] == back["dense"]

@@ -21,7 +21,26 @@ pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
 
 
 def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
-    r = run_framework(tmp_path, ".venv-verl", "verl_program.py")
+    check_syncs(run_framework(tmp_path, ".venv-verl", "verl_program.py"))
+
+
+@pytest.mark.slow
+def test_verl_server_killed_mid_apply_rejoins(tmp_path: Path) -> None:
+    """The same syncs, then the server SIGKILLed mid-apply (slow lane: a second engine start):
+    evicted, the version commits without it; restarted, it joins again."""
+    r = run_framework(tmp_path, ".venv-verl", "verl_program.py", chaos=True)
+    check_syncs(r)
+    killed = r["killed"]
+    assert killed["metrics"]["dcr/version"] == len(r["steps"]) + 4
+    assert killed["receivers"] == [] and killed["members"] == []
+    assert killed["metrics"]["dcr/replicas_unreachable"] == 1  # the resume found it dead
+    again = r["restarted"]
+    assert again["metrics"]["dcr/version"] == len(r["steps"]) + 5
+    assert again["members"] == ["replica0"] and again["after"] == again["dense"]
+
+
+def check_syncs(r: dict) -> None:
+    """Every step bit-exact; the refused streams; the retry; membership."""
     assert r["engine"] == "DCRCheckpointEngine"
     for step, s in enumerate(r["steps"], start=1):
         m = s["metrics"]
@@ -48,11 +67,3 @@ def test_verl_checkpoint_engine_refits_a_dcr_server(tmp_path: Path) -> None:
     back = r["rejoined"]  # joined by a dense load of the committed version, then refit
     assert back["metrics"]["dcr/version"] == len(r["steps"]) + 3 and back["members"] == ["replica0"]
     assert back["after"] == back["dense"]
-    # killed mid-apply: evicted, the version commits without it; restarted, it joins again
-    killed = r["killed"]
-    assert killed["metrics"]["dcr/version"] == len(r["steps"]) + 4
-    assert killed["receivers"] == [] and killed["members"] == []
-    assert killed["metrics"]["dcr/replicas_unreachable"] == 1  # the resume found it dead
-    again = r["restarted"]
-    assert again["metrics"]["dcr/version"] == len(r["steps"]) + 5
-    assert again["members"] == ["replica0"] and again["after"] == again["dense"]

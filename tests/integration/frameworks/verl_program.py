@@ -274,24 +274,25 @@ def drive(a: Any, both: Any, engine: Any, group: Any, ce_cfg: Any, out: Path) ->
     entry = {"metrics": metrics, "members": list(engine.engine.members)}
     entry.update(both({"op": "dense", "version": v + 2})[0])
     result["rejoined"] = entry
-    # the server dies mid-apply (SIGKILL of its worker): evicted, the version commits without
-    # it; restarted (by the test, as verl restarts a replica), it joins at the committed version
-    faults.arm(a.fault_plan, kill_after_items=2)
-    both({"op": "train", "step": v + 3})
-    metrics = manager.update_weights(global_steps=v + 3)
-    both({"op": "dense", "version": v + 3})
-    record = engine.engine.coordinator.commits.current()
-    result["killed"] = {
-        "metrics": metrics,
-        "receivers": list(record.receivers),
-        "members": list(engine.engine.members),
-    }
-    await_restart(out)
-    both({"op": "train", "step": v + 4})
-    metrics = manager.update_weights(global_steps=v + 4)
-    entry = {"metrics": metrics, "members": list(engine.engine.members)}
-    entry.update(both({"op": "dense", "version": v + 4})[0])
-    result["restarted"] = entry
+    if a.chaos:
+        # the server dies mid-apply (SIGKILL of its worker): evicted, the version commits without
+        # it; restarted (by the test, as verl restarts a replica), it joins at the committed version
+        faults.arm(a.fault_plan, kill_after_items=2)
+        both({"op": "train", "step": v + 3})
+        metrics = manager.update_weights(global_steps=v + 3)
+        both({"op": "dense", "version": v + 3})
+        record = engine.engine.coordinator.commits.current()
+        result["killed"] = {
+            "metrics": metrics,
+            "receivers": list(record.receivers),
+            "members": list(engine.engine.members),
+        }
+        await_restart(out)
+        both({"op": "train", "step": v + 4})
+        metrics = manager.update_weights(global_steps=v + 4)
+        entry = {"metrics": metrics, "members": list(engine.engine.members)}
+        entry.update(both({"op": "dense", "version": v + 4})[0])
+        result["restarted"] = entry
     (out / "result.json").write_text(json.dumps(result, indent=1))
 
 
