@@ -338,7 +338,6 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
         if not self.is_sender:
             return None
         assert self.coordinator is not None
-        self._rejoin()
         if version is not None:
             committed = self.coordinator.committed_version()
             with arguments("send_weights"):
@@ -352,6 +351,7 @@ class DCRTrainerWeightTransferEngine(TrainerWeightTransferEngine[DCRTrainerInitI
                         f"version must be the committed version + 1 ({committed + 1}), got "
                         f"{version}: versions are consecutive"
                     )
+        self._rejoin()  # after the argument checks: a refused call changes nothing
         before = {e.name: e for e in self.coordinator.engines}
         try:
             self.last_result = self.coordinator.refit(version)
