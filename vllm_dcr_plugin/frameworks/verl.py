@@ -219,7 +219,8 @@ class DCRCheckpointEngine(CheckpointEngine):
                 tensors=tensor_table(self._baseline),
                 **self.config,
             )
-            clients = {name: self._client(url) for url, name in self.members.items()}
+            # DCR's trainer engine takes one client per engine name (trainer_engine.py)
+            clients: Any = {name: self._client(url) for url, name in self.members.items()}
             self.engine = WeightTransferTrainerFactory.trainer_init(info, client=clients)
             return self.engine
         current = set(self.engine.members)
@@ -228,10 +229,12 @@ class DCRCheckpointEngine(CheckpointEngine):
             if name in current:  # not already evicted by a failed restore
                 self.engine.remove_engine(name)
         for url in self.servers:
-            name = self.members.get(url)
-            if name is not None and name in current:
+            known = self.members.get(url)
+            if known is not None and known in current:
                 continue
-            if name is None:  # a new server; otherwise one evicted (dead) and back again
+            if known is not None:  # evicted (dead) and back again
+                name = known
+            else:  # a new server
                 used = set(self.members.values())
                 name = next(
                     server_name(i) for i in range(len(used) + 1) if server_name(i) not in used

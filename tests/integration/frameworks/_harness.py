@@ -18,11 +18,17 @@ from dcr_tools.procs import REPO, ServeProcess, base_env, free_port, run_program
 
 
 def run_framework(
-    tmp_path: Path, venv: str, program: str, *, chaos: bool = False
+    tmp_path: Path,
+    venv: str,
+    program: str,
+    *,
+    chaos: bool = False,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Start the server, run `program` (tests/integration/frameworks/PROGRAM) on two ranks with
     the interpreter of `venv` (`chaos`: with ``--chaos``, the server killed mid-apply), restart
-    the server when the program asks; return the program's ``result.json``. Skips (with the
+    the server when the program asks; return the program's ``result.json``. `env`: more
+    variables for the ranks (``{root}`` in a value: the test's store directory). Skips (with the
     reason) where `make setup` did not build `venv`."""
     python = REPO / venv / "bin" / "python"
     if not python.exists():
@@ -63,7 +69,10 @@ def run_framework(
                 *(["--chaos"] if chaos else []),
             ],
             timeout=1500,
-            env=base_env(OMP_NUM_THREADS="1"),
+            env=base_env(
+                OMP_NUM_THREADS="1",
+                **{k: v.replace("{root}", str(tmp_path)) for k, v in (env or {}).items()},
+            ),
             log=tmp_path / "ranks.log",
         )  # fmt: skip
     finally:

@@ -1,6 +1,7 @@
 """A SkyRL trainer's weight sync on two gloo ranks (TP=2), run by torch.distributed.run on the
 SkyRL environment (.venv-skyrl): SkyRL 0.4.0's own ``build_trainer_engine`` (patched by
-`vllm_dcr_plugin.frameworks.skyrl` for ``weight_sync_backend=dcr``), its own
+`vllm_dcr_plugin.frameworks.skyrl` for ``weight_sync_backend=dcr``, armed by the installed
+``dcr-refit-skyrl.pth`` from ``SKYRL_DCR_CONFIG``: no DCR call in this program), its own
 ``MegatronWeightSource`` over a real megatron-core GPTModel, and its own
 ``SkyrlWeightSyncClient`` against a ``vllm serve`` with backend ``dcr``.
 
@@ -68,20 +69,27 @@ def main() -> None:
     cfg, chunks, _ = start_chunks(a.ckpt, ParallelLayout(tp=2))
     rank = dist.get_rank()
     trainer = Trainer(chunks[0], cfg, distributed_optimizer=False, lr=3e-4)
-    store = {"kind": "dir", "root": a.store}
-    dcr_skyrl.install(
-        {
-            "control": store,
-            "transport": store,
-            "checkpoint_for": str(out / "dense{version}"),
-            "verify": True,
-        }
-    )
+    # no install() call: the test sets SKYRL_DCR_CONFIG, and the dcr-refit-skyrl.pth of the
+    # installed dcr-refit armed this interpreter at start (skyrl.arm); SkyRL's modules are
+    # patched as they are imported, below
+    armed: dict[str, Any] = {"installed_before_import": dcr_skyrl.installed()}
+    import skyrl.backends.skyrl_train.inference_servers.utils as server_utils
     import skyrl.backends.skyrl_train.weight_sync as ws
     import skyrl.backends.skyrl_train.weight_sync.weight_senders as senders
+    import skyrl.train.utils.utils as skyrl_utils
     from skyrl.backends.skyrl_train.weight_sync.sources import MegatronWeightSource
-    from skyrl.train.config.config import InferenceEngineConfig
+    from skyrl.train.config.config import InferenceEngineConfig, SkyRLTrainConfig
 
+    armed["config"] = dict(dcr_skyrl._config)  # read from the variable at the first patch
+    train_cfg = SkyRLTrainConfig()  # SkyRL's own checks of a Megatron job that names dcr
+    train_cfg.trainer.strategy = "megatron"
+    train_cfg.generator.inference_engine.weight_sync_backend = "dcr"
+    skyrl_utils.validate_megatron_cfg(train_cfg)
+    armed["validated_backend"] = train_cfg.generator.inference_engine.weight_sync_backend
+    # what reaches SkyRL's Ray workers: its runtime env forwards SKYRL_* variables
+    armed["forwarded"] = "SKYRL_DCR_CONFIG" in skyrl_utils.prepare_runtime_environment(train_cfg)
+    # a module that imported get_transfer_strategy by name at its own import time
+    armed["by_name"] = server_utils.get_transfer_strategy("dcr", False)
     bridge = BridgeExport(cfg)
 
     def source_factory(dtype: torch.dtype, backend: str) -> Any:
@@ -102,6 +110,7 @@ def main() -> None:
     )
     result: dict[str, Any] = {
         "patches": dcr_skyrl.installed(),
+        "armed": armed,
         "engine": type(engine).__name__,
         "receive_backend": ws.get_vllm_receive_backend("dcr", False),
         "source": type(engine.source).__name__,

@@ -10,23 +10,68 @@ those after a dense load of the same Megatron export (tests/integration/framewor
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from dcr_tools.procs import REPO, base_env
 from tests.integration.frameworks._harness import run_framework
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron]
 
 
+#: configuration only: the variable SkyRL forwards to its workers (`{root}`: the test's tmp dir)
+CONFIG = {
+    "SKYRL_DCR_CONFIG": json.dumps(
+        {
+            "control": {"kind": "dir", "root": "{root}/store"},
+            "transport": {"kind": "dir", "root": "{root}/store"},
+            "checkpoint_for": "{root}/out/dense{version}",
+            "verify": True,
+        }
+    )
+}
+
+
 def test_skyrl_weight_sync_refits_a_dcr_server(tmp_path: Path) -> None:
-    check_syncs(run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py"))
+    check_syncs(run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py", env=CONFIG))
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("not json", "SKYRL_DCR_CONFIG is not JSON"),
+        ('["a list"]', "SKYRL_DCR_CONFIG must be a JSON object"),
+    ],
+)
+def test_a_bad_skyrl_dcr_config_fails_skyrl_s_import_with_the_reason(
+    value: str, error: str
+) -> None:
+    """The armed interpreter refuses a configuration it cannot read the moment SkyRL's weight
+    sync is imported, naming the variable (not at the first sync, on some worker)."""
+    python = REPO / ".venv-skyrl/bin/python"
+    if not python.exists():
+        pytest.skip("no framework environment (.venv-skyrl): `make setup` builds it")
+    program = (  # the TypedDict alias: as in skyrl_program.py (SkyRL wants Python 3.12)
+        "import typing, typing_extensions; typing.TypedDict = typing_extensions.TypedDict; "
+        "import skyrl.backends.skyrl_train.weight_sync"
+    )
+    r = subprocess.run(
+        [str(python), "-c", program],
+        env=base_env(SKYRL_DCR_CONFIG=value),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and error in r.stderr
 
 
 @pytest.mark.slow
 def test_skyrl_server_killed_mid_apply_rejoins(tmp_path: Path) -> None:
     """The same syncs, then the server SIGKILLed mid-apply (slow lane: a second engine start)."""
-    r = run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py", chaos=True)
+    r = run_framework(tmp_path, ".venv-skyrl", "skyrl_program.py", chaos=True, env=CONFIG)
     check_syncs(r)
     n = len(r["steps"])
     killed = r["killed"]  # the server died mid-apply: evicted, the version committed without it
@@ -42,6 +87,10 @@ def check_syncs(r: dict) -> None:
     assert r["engine"] == "DCRTrainerWeightTransferEngine" and r["receive_backend"] == "dcr"
     assert r["source"] == "MegatronWeightSource" and r["client"] == "SkyrlWeightSyncClient"
     assert len(r["patches"]) == 3
+    armed = r["armed"]  # configuration only: the .pth armed the ranks, SkyRL's imports patched
+    assert armed["installed_before_import"] == [] and armed["config"]["verify"] is True
+    assert armed["validated_backend"] == "dcr" and armed["forwarded"]
+    assert armed["by_name"] == "dcr"
     for step, s in enumerate(r["steps"], start=1):
         assert s["version"] == step and s["retries"] == 0
         assert 0 < s["change_rate"] < 1 and s["payload_bytes"] > 0
