@@ -1,4 +1,4 @@
-"""The named-tensor owner (megatron_dcr_hooks.named) on real transports and gloo groups.
+"""The named-tensor owner (shared_codec.named) on real transports and gloo groups.
 
 Oracle: the payloads an attempt publishes on a ``dir`` transport, decoded and applied with the
 reference applier (`shared_codec.records.apply_items`) to the committed checkpoint, give the
@@ -241,3 +241,63 @@ def test_two_ranks_split_the_scan_and_rank0_publishes(tmp_path: Path) -> None:
     for r in ranks:  # every rank's baselines advanced to the committed versions
         assert all(bits_equal(t, versions[2][n]) for n, t in r["baselines"]["full"].items())
         assert all(bits_equal(t, versions[3][n]) for n, t in r["baselines"]["split"].items())
+
+
+def _fsdp2_ranks(rank: int, root: str) -> None:
+    """Two gloo ranks train an HF Qwen3 (transformers) sharded by FSDP2 (``fully_shard``) on
+    CPU; after each step every rank hands its FSDP2 full state dict (torch's own
+    ``get_model_state_dict``) to the owner, and rank 0 publishes and commits."""
+    import transformers
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(root, "store"), 2), rank=rank, world_size=2
+    )
+    try:
+        cfg = transformers.Qwen3Config(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        options = StateDictOptions(full_state_dict=True)  # every rank: the full tensors
+        states = [get_model_state_dict(model, options=options)]
+        spec = {"kind": "dir", "root": os.path.join(root, "payloads")}
+        owner = NamedTensorOwner(spec, states[0], group=dist.group.WORLD)
+        g = torch.Generator().manual_seed(rank)
+        for v in (1, 2):
+            ids = torch.randint(0, 128, (2, 8), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            states.append(get_model_state_dict(model, options=options))
+            rep = owner.take_weights(states[-1].items())
+            if rank == 0:
+                owner.build(v, 0, False)
+                owner.commit(v)
+            torch.save(rep.owned, os.path.join(root, f"owned{rank}-{v}.pt"))
+        if rank == 0:
+            torch.save([{n: t.clone() for n, t in s.items()} for s in states], f"{root}/states.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fsdp2_full_state_dict_stream_refits_bit_exact(tmp_path: Path) -> None:
+    mp.start_processes(_fsdp2_ranks, args=(str(tmp_path),), nprocs=2, start_method="spawn")
+    states = torch.load(tmp_path / "states.pt")
+    spec = {"kind": "dir", "root": str(tmp_path / "payloads")}
+    held = {n: t.clone() for n, t in states[0].items()}
+    for v in (1, 2):
+        assert not _same(states[v], states[v - 1])  # the step moved some bits
+        items = _applied(spec, v, 0, held)
+        assert _same(held, states[v]), v
+        assert {i.owner for i in items} == {0, 1}  # both ranks scanned their share
+        owned = [torch.load(tmp_path / f"owned{r}-{v}.pt") for r in (0, 1)]
+        assert owned[0] + owned[1] == len(states[0])
