@@ -47,6 +47,7 @@ from vllm_dcr_plugin.arguments import transport_spec as _transport_spec
 from vllm_dcr_plugin.placement import MODES
 from vllm_dcr_plugin.plugin import PLUGIN_VERSION, registration_count
 from vllm_dcr_plugin.staging import SealedSet, tensor_specs
+from vllm_dcr_plugin.versions import weights_state
 
 log = logging.getLogger("dcr.extension")
 
@@ -91,27 +92,42 @@ def _rpc(fn: F) -> F:
             out = fn(self, *args, **kwargs)
         except DCRError as e:
             rank = getattr(self, "rank", 0)
-            return {
-                "ok": False,
-                "rank": int(rank),
-                "error": f"{type(e).__name__}: {e}",
-                "rpc": fn.__name__,
-            }
+            return _with_weights(
+                self,
+                {
+                    "ok": False,
+                    "rank": int(rank),
+                    "error": f"{type(e).__name__}: {e}",
+                    "rpc": fn.__name__,
+                },
+            )
         except Exception as e:
             rank = getattr(self, "rank", 0)
             log.exception("dcr: %s failed on rank %s", fn.__name__, rank)
-            return {
-                "ok": False,
-                "rank": int(rank),
-                "error": f"{type(e).__name__}: {e}",
-                "rpc": fn.__name__,
-                "internal": True,
-            }
+            return _with_weights(
+                self,
+                {
+                    "ok": False,
+                    "rank": int(rank),
+                    "error": f"{type(e).__name__}: {e}",
+                    "rpc": fn.__name__,
+                    "internal": True,
+                },
+            )
         out.setdefault("ok", True)
         out["rpc"] = fn.__name__
-        return out
+        return _with_weights(self, out)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _with_weights(worker: Any, reply: dict[str, Any]) -> dict[str, Any]:
+    """Every reply carries its rank's weights state (``"weights"``), from which the engine core
+    stamps vLLM's ``weight_version`` (versions.py); none before the receiver exists."""
+    receiver = dcr_worker.existing_receiver(worker)
+    if receiver is not None:
+        reply["weights"] = weights_state(receiver)
+    return reply
 
 
 _EXPECT_KEYS = {"version", "base_version", "payload_ids"}

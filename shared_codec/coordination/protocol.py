@@ -157,15 +157,19 @@ class RankReply(_Versioned):
     """The envelope of every ``dcr_*`` answer: which RPC answered (``rpc``: vLLM 0.32's
     ``collective_rpc`` replies are not tagged, so a handle tells a late answer from its own),
     the rank, ``ok`` and ``error`` (``internal``: not a DCR error but a defect, logged on the
-    rank); the RPC's own fields are in `extra` (`fields`)."""
+    rank), and the rank's weights state after the call (``weights``: what vLLM's engine core
+    stamps ``weight_version`` from, vllm_dcr_plugin/versions.py; absent before the rank has a
+    receiver); the RPC's own fields are in `extra` (`fields`)."""
 
     NAME = "rank reply"
     EXTRA = True
+    OMIT_NONE = ("weights",)
     rpc: str
     ok: bool
     rank: int = 0
     error: str | None = None
     internal: bool = False
+    weights: dict[str, Any] | None = None
     protocol: int = PROTOCOL_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

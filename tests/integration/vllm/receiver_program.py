@@ -48,11 +48,17 @@ def main() -> None:
     os.environ.update(faults.environment(plan))
     llm = start_llm(versions[0], args.tp, **json.loads(args.extra))
     sp = SamplingParams(max_tokens=8, temperature=0.0)
-    report: dict = {"tp": args.tp}
+    report: dict = {"tp": args.tp, "spans": []}
 
     def tokens() -> list:
         llm.reset_prefix_cache()
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        report["spans"].append(spans(outs))
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def spans(outs: list) -> list:
+        """vLLM's own weight_versions of each output (versions.py stamps them)."""
+        return [[[s.version, s.start, s.end] for s in o.outputs[0].weight_versions] for o in outs]
 
     def digests() -> list[str]:
         return [d["digest"] for d in llm.collective_rpc("dcr_digest")]
@@ -246,12 +252,13 @@ def main() -> None:
     report["stage3"] = client.stage(payloads(2, 3, 0, "overwrite"))
     report["ack3"] = client.apply(0, verify=True)
     report["d3"] = client.digests()
-    report["tokens3"] = [
-        list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)
-    ]
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    report["tokens3"] = [list(o.outputs[0].token_ids) for o in outs]
+    report["spans"].append(spans(outs))
     report["commit3"] = client.commit(3)
     report["metrics"] = [m["text"] for m in llm.collective_rpc("dcr_metrics")]
     report["storage"]["end"] = storage(llm.collective_rpc("dcr_info"))  # after all generation
+    report["spans_after_commit3"] = spans(llm.generate(PROMPTS, sp, use_tqdm=False))
     Path(args.out).write_text(json.dumps(report, default=str))
     os._exit(0)
 
