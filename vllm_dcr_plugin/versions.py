@@ -13,9 +13,13 @@ race the engine's next step. So the engine core stamps it in the same utility ca
 
 - ``"<v>"`` when every rank is clean at committed version ``v`` (a commit, a dense load, a
   prewarm, or an attempt fenced before any write): the same string the native path uses;
-- ``"<t>-uncommitted"`` when any rank holds applied, applying or dirty weights for target
+- ``"<t>-uncommitted.<n>"`` when any rank holds applied, applying or dirty weights for target
   version ``t`` (between an apply and its commit, or after a failure part-way, until an
-  overwrite retry commits): tokens generated there came from no committed version, and say so;
+  overwrite retry commits): tokens generated there came from no committed version, and say so.
+  ``n`` counts the applies the ranks have run (the most of any rank), so that each write of
+  uncommitted weights has its own label: a failed part-way apply and the overwrite retry that
+  repairs it are different weights, and the prefix cache salted by the label (prefix_salt.py)
+  must not share blocks between them;
 - unchanged when a reply carries no state (a rank without a receiver yet, an RPC that failed
   before reaching one): nothing DCR did moved weights.
 
@@ -48,6 +52,7 @@ def weights_state(receiver: Any) -> dict[str, Any]:
         "state": receiver.state.value,
         "committed_version": int(receiver.committed_version),
         "target_version": None if receiver.target_version is None else int(receiver.target_version),
+        "apply_calls": int(receiver.apply_calls),
     }
 
 
@@ -63,7 +68,8 @@ def label_of(replies: Sequence[Any]) -> str | None:
         return str(committed.pop()) if len(committed) == 1 else None
     targets = [s["target_version"] for s in states if s["target_version"] is not None]
     target = max(targets) if targets else max(s["committed_version"] for s in states) + 1
-    return f"{target}{UNCOMMITTED}"
+    applies = max(int(s.get("apply_calls", 0)) for s in states)
+    return f"{target}{UNCOMMITTED}.{applies}"
 
 
 def stamping_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -233,10 +233,19 @@ def test_delta_refit_is_bit_exact(case, tmp_path: Path) -> None:
     # vLLM's own weight_versions of every generation (the engine core stamps them from the
     # dcr_* replies, versions.py): the initial checkpoint is version 0, each dense load its
     # version; after an apply the weights are no committed version until the commit
+    # version, each with the number of applies the ranks ran (every write its own label)
     labels = ["0", "1", "2", "3", "1-uncommitted", "2-uncommitted", "3-uncommitted"]
     outputs = [r["tokens0"], *(x["tokens"] for x in r["ref"]), r["tokens1"], r["tokens2"]]
+    applies = []
     for spans, label, tokens in zip(r["spans"], labels, [*outputs, r["tokens3"]], strict=True):
-        assert spans == [[[label, 0, len(t)]] for t in tokens], (label, spans)
+        got = spans[0][0][0]
+        if label.endswith("-uncommitted"):
+            assert got.startswith(label + "."), (label, spans)
+            applies.append(int(got.rsplit(".", 1)[1]))
+        else:
+            assert got == label, (label, spans)
+        assert spans == [[[got, 0, len(t)]] for t in tokens], (label, spans)
+    assert applies == sorted(set(applies))  # a new label for every apply
     assert [s[0][0] for s in r["spans_after_commit3"]] == ["3", "3"]
     if case[0] == "qwen3-tp1" and mode == "plan":
         # the dense-load reference itself equals a fresh engine started on v3

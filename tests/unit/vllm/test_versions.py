@@ -14,8 +14,15 @@ from vllm_dcr_plugin import patches
 from vllm_dcr_plugin.versions import label_of, stamping_collective_rpc
 
 
-def reply(state: str, committed: int, target: int | None = None, **extra: Any) -> dict:
-    weights = {"state": state, "committed_version": committed, "target_version": target}
+def reply(
+    state: str, committed: int, target: int | None = None, applies: int = 1, **extra: Any
+) -> dict:
+    weights = {
+        "state": state,
+        "committed_version": committed,
+        "target_version": target,
+        "apply_calls": applies,
+    }
     return {"ok": True, "weights": weights, **extra}
 
 
@@ -23,9 +30,9 @@ def reply(state: str, committed: int, target: int | None = None, **extra: Any) -
     ("replies", "label"),
     [
         ([reply("clean", 3), reply("clean", 3)], "3"),  # a commit / dense load / prewarm
-        ([reply("applied", 3, 4), reply("applied", 3, 4)], "4-uncommitted"),  # apply, no commit
-        ([reply("applied", 3, 4), reply("dirty", 3, 4)], "4-uncommitted"),  # failed part-way
-        ([reply("dirty", 3), reply("clean", 3)], "4-uncommitted"),  # dirty, target unknown
+        ([reply("applied", 3, 4), reply("applied", 3, 4)], "4-uncommitted.1"),  # no commit yet
+        ([reply("applied", 3, 4, 2), reply("dirty", 3, 4, 3)], "4-uncommitted.3"),  # part-way
+        ([reply("dirty", 3), reply("clean", 3)], "4-uncommitted.1"),  # dirty, target unknown
         ([reply("clean", 3), reply("clean", 4)], None),  # ranks disagree: leave it
         ([reply("clean", 3), {"ok": False, "error": "x"}], None),  # a rank without a receiver
         ([], None),
@@ -51,10 +58,18 @@ class FakeEngineCore:  # FAKE: what the wrapper calls on vLLM's EngineCore
         self.version = v
 
 
+def test_each_write_of_uncommitted_weights_has_its_own_label() -> None:
+    """A failed part-way apply, then the overwrite retry that repairs it: different weights,
+    different labels (the prefix cache is salted by the label: prefix_salt.py)."""
+    partial = label_of([reply("dirty", 1, 2, applies=4)])
+    retried = label_of([reply("applied", 1, 2, applies=5)])
+    assert partial == "2-uncommitted.4" != retried == "2-uncommitted.5"
+
+
 def test_the_engine_core_stamps_after_dcr_methods_only() -> None:
     rpc = stamping_collective_rpc(FakeEngineCore.collective_rpc)
     core = FakeEngineCore([reply("applied", 0, 1)])
-    assert rpc(core, "dcr_apply", None, (0,)) == core.replies and core.version == "1-uncommitted"
+    assert rpc(core, "dcr_apply", None, (0,)) == core.replies and core.version == "1-uncommitted.1"
     core.replies = [reply("clean", 1)]
     rpc(core, "dcr_commit", None, (1,))
     assert core.version == "1"
