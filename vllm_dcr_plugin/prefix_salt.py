@@ -63,7 +63,7 @@ def salt_of(own: str | None, version: str) -> str:
 def salt_request(request: Any, version: str) -> bool:
     """Salt `request` (a vLLM ``Request``) with `version`; recompute its block hashes when the
     salt changed. True when it changed."""
-    own = getattr(request, "_dcr_own_salt", _UNSET)
+    own: Any = getattr(request, "_dcr_own_salt", _UNSET)
     if own is _UNSET:
         own = request.cache_salt
         request._dcr_own_salt = own
