@@ -20,6 +20,9 @@ Subcommands (each has ``--help``):
 - ``dcr bench named [--json PATH] [--size medium|small|large]``: the named-tensor owner (a
   framework's full-tensor stream) against the owner-local hook on the same model: seconds and
   host baseline per GB, payload bytes, bit-exactness (a 2-rank Megatron job).
+- ``dcr bench prefix [--json PATH] [--repeats N]``: the prefix cache across refits in an async
+  RL loop (keep-mode pauses): version-salted against the global reset (hit rate, stale tokens,
+  TTFT, the frozen request's resume, refused resets).
 - ``dcr bench construct [--json PATH] [--size medium|small|large] [--modes X,P,F]``: owner-side
   construction time, payload bytes and scan efficiency for modes X, P, F (a 2-rank Megatron job).
 - ``dcr bench refit [--json PATH] [--size medium|small] [--gbit G[,G...]] [--rates R[,R...]]
@@ -100,6 +103,12 @@ def cmd_bench_quantized(args: argparse.Namespace) -> int:
     from dcr_tools.bench import quantized as bench_quantized  # vLLM, compressed-tensors
 
     return bench_quantized.main(args.json, args.size, args.format, args.repeats)
+
+
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from dcr_tools.bench import prefix as bench_prefix  # engines run in child processes
+
+    return bench_prefix.main(args.json, args.repeats)
 
 
 def cmd_bench_replica(args: argparse.Namespace) -> int:
@@ -503,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="medium: ~316M parameters (default); small: a quick run",
     )
     p.set_defaults(func=cmd_bench_named)
+    p = bsub.add_parser(
+        "prefix", help="prefix cache across refits in async RL: version-salted vs global reset"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats after a warm-up (5)")
+    p.set_defaults(func=cmd_bench_prefix)
     p = bsub.add_parser("affine", help="affine share of canonical weight bytes per family")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_affine)

@@ -445,7 +445,12 @@ def test_an_unexpected_exception_is_an_internal_error_reply(monkeypatch, caplog)
         "rpc": "dcr_digest",
         "internal": True,
         # the rank's weights state rides on every reply (versions.py)
-        "weights": {"state": "clean", "committed_version": 0, "target_version": None},
+        "weights": {
+            "state": "clean",
+            "committed_version": 0,
+            "target_version": None,
+            "apply_calls": 0,
+        },
     }
     assert "dcr_digest failed on rank 0" in caplog.text and "planted defect" in caplog.text
     monkeypatch.undo()
