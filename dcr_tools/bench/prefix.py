@@ -15,12 +15,13 @@ One engine per mode (vLLM's ``AsyncLLM`` in a child process, the tiny Qwen3 fixt
      succeeds: vLLM preempts the frozen request, which recomputes its KV on resume
      (``DCR_PREFIX_SALT=0``);
 4. resume; then the rollout of v+1: ``PROMPTS`` prompts sharing a 96-token system prefix,
-   ``GROUP`` samples each (the first of each group alone, then the rest at once).
+   ``GROUP`` samples each (the first request alone, then the rest at once). The in-flight
+   request's prompt shares nothing with them.
 
 Per mode and repeat (one warm-up then `repeats` timed repeats of `STEPS` steps): the prefix-hit
 rate of the rollout's prompt tokens (vLLM's ``num_cached_tokens``), the stale tokens (cached
-tokens of the first request after each refit, which no request of the new version computed: a
-hit there is KV of the old weights), the rollout's median time to first token, the frozen
+tokens of the first request after each refit: before it no request of the new version computed
+any block it could hit, so every hit there is KV of the old weights), the rollout's median time to first token, the frozen
 request's time from resume to its next token, and the resets vLLM refused. Printed as a table;
 ``--json`` writes everything.
 
@@ -53,7 +54,11 @@ FIGURES = ("hit_rate", "stale_tokens", "ttft_ms", "inflight_resume_ms", "resets_
 
 
 def prompt(p: int) -> Any:
-    """Prompt `p`: the system prefix, then 64 tokens of its own (a vLLM ``TokensPrompt``)."""
+    """Prompt `p` (a vLLM ``TokensPrompt``): the system prefix, then 64 tokens of its own; the
+    in-flight request's (``p == PROMPTS``) shares nothing with them (288 tokens of its own), so
+    that the first request after a refit can only hit blocks of the rollout before it."""
+    if p == PROMPTS:
+        return {"prompt_token_ids": [(17 * i + 3) % 60 + 440 for i in range(288)]}
     return {"prompt_token_ids": SYSTEM + [(13 * i + 7 * p) % 300 + 30 for i in range(64)]}
 
 
@@ -119,6 +124,9 @@ async def run_mode(mode: str, versions: list[str], repeats: int) -> list[dict[st
             stamps: list[float] = []
             inflight = asyncio.create_task(one(PROMPTS, 200, stamps))
             while len(stamps) < 4:  # it runs: it holds KV blocks
+                if inflight.done():
+                    inflight.result()  # its error
+                    raise RuntimeError("the in-flight request ended before the pause")
                 await asyncio.sleep(0.005)
             await engine.pause_generation(mode="keep", clear_cache=False)
             items = diff_checkpoints(ckpts[src], ckpts[dst], kind=Kind.XOR, overwrite=no_xor)
