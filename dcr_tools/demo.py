@@ -89,33 +89,36 @@ def reward_of(tokens: list[int]) -> float:
     return sum(1 for t in tokens if t % 2 == 0) / len(tokens) if tokens else 0.0
 
 
-def generate(url: str, step: int, samples_per_prompt: int, max_tokens: int) -> list[dict]:
-    """Sample completions one request at a time (fixed batch composition: reproducible)."""
-    out = []
+def _post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def generate(
+    url: str, step: int, samples_per_prompt: int, max_tokens: int
+) -> tuple[list[dict], list[list[dict]]]:
+    """Sample completions one request at a time (fixed batch composition: reproducible) through
+    vLLM's token-in/token-out ``/inference/v1/generate``; returns the samples and each one's
+    ``weight_versions`` (which weights produced which of its tokens)."""
+    out, spans = [], []
     for i, prompt in enumerate(PROMPTS):
+        ids = list(_post(url + "/tokenize", {"model": "policy", "prompt": prompt})["tokens"])
         for j in range(samples_per_prompt):
             body = {
-                "model": "policy",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 1.0,
-                "seed": 1000 * step + 10 * i + j,
-                "return_token_ids": True,
+                "token_ids": ids,
+                "sampling_params": {
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "seed": 1000 * step + 10 * i + j,
+                },
             }
-            req = urllib.request.Request(
-                url + "/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=300) as resp:
-                choice = json.loads(resp.read())["choices"][0]
-            out.append(
-                {
-                    "prompt": list(choice["prompt_token_ids"]),
-                    "completion": list(choice["token_ids"]),
-                }
-            )
-    return out
+            (choice,) = _post(url + "/inference/v1/generate", body)["choices"]
+            out.append({"prompt": ids, "completion": list(choice["token_ids"])})
+            spans.append(list(choice.get("weight_versions") or []))
+    return out, spans
 
 
 class Demo:
@@ -256,6 +259,8 @@ class Demo:
                 free_port(),
                 log=self.work / f"{name}.log",
                 env={**env, **plan} if name == "rollout" else env,
+                # the rollouts use vLLM's /inference/v1/generate, for weight_versions
+                extra_args=["--enable-scale-out"] if name == "rollout" else [],
             )
             for name in ("rollout", "reference")
         ]
@@ -338,7 +343,7 @@ class Demo:
         a = self.args
         assert self.owners is not None
         t0 = time.perf_counter()
-        samples = generate(self.rollout.base_url, step, a.samples, a.max_tokens)
+        samples, spans = generate(self.rollout.base_url, step, a.samples, a.max_tokens)
         gen_s = time.perf_counter() - t0
         rewards = [reward_of(s["completion"]) for s in samples]
         mean = sum(rewards) / len(rewards)
@@ -354,6 +359,13 @@ class Demo:
             "rewards": rewards,
             "pg_loss": train["pg_loss"],
             "generate_s": gen_s,
+            # the weights each rollout token came from (vLLM's weight_versions): one version
+            # per step in this synchronous loop, the one committed before it
+            "rollout_versions": sorted({x["version"] for sp in spans for x in sp}),
+            "rollout_spans_whole": all(
+                len(sp) == 1 and sp[0]["start"] == 0 and sp[0]["end"] == len(x["completion"])
+                for sp, x in zip(spans, samples, strict=True)
+            ),
             "train_s": train_s,
         }
         killed = bool(a.kill_every and step % a.kill_every == 0)

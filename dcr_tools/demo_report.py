@@ -190,7 +190,9 @@ def summary(report: dict[str, Any]) -> list[tuple[str, str]]:
             ),
             ("refit seconds per step (mean)", f"{stage:.2f}"),
         ]
+    switches = " -> ".join("/".join(r.get("rollout_versions") or ["?"]) for r in rows)
     out += [
+        ("rollout weight versions, step by step (switch at each commit)", switches),
         ("refit attempts, all steps", str(sum(int(r["attempts"]) for r in rows))),
         ("steps with a killed engine", str(sum(bool(r.get("killed")) for r in rows))),
         (

@@ -4,8 +4,9 @@
 ``reset_prefix_cache`` (``LLM``, ``LLMEngine``; for ``AsyncLLM`` await the engine's own methods
 with the same RPC names). It checks every rank's ``ok``, raises `DCRError` with the ranks'
 errors, and resets the prefix cache after every apply or dense load, because KV and prefix
-caches hold activations computed with the old weights (docs/protocol.md, "Request gate and
-caches").
+caches hold activations computed with the old weights. The engine core's version salt makes
+this reset redundant (and vLLM refuses it while keep-mode requests hold blocks); it stays for
+engines with salting off (docs/protocol.md, "Request gate and caches").
 
 Deadlines: every call (the RPC and the cache reset after it) returns or raises within
 `timeout_s` (per call: ``deadline_s=``). vLLM bounds the workers' side of ``collective_rpc`` with

@@ -18,8 +18,10 @@ RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_st
 
 Limitations:
 1. The request gate checks that the worker holds no request state; the orchestrator closes the
-   gate (sync RL: between generations; async RL: ``pause_generation``) and resets the prefix
-   cache after apply (``llm.reset_prefix_cache()``), see docs/protocol.md.
+   gate (sync RL: between generations; async RL: ``pause_generation``). The prefix cache is
+   salted by weight version in the engine core (prefix_salt.py; every reply's ``weights``
+   feeds the version, versions.py), so no reset is needed; with ``DCR_PREFIX_SALT=0`` the
+   orchestrator resets it after apply (``llm.reset_prefix_cache()``), see docs/protocol.md.
 """
 
 from __future__ import annotations

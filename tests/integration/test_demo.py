@@ -90,6 +90,11 @@ def _check_same_run(dcr: dict, dense: dict, steps: int) -> None:
     assert [r["rewards"] for r in dcr["rows"]] == [r["rewards"] for r in dense["rows"]]
     assert dcr["final_digest"] == dense["final_digest"]
     assert len({r["digest"] for r in dcr["rows"]}) == steps  # every step changed the weights
+    # every rollout token came from the version committed before its step (vLLM's own
+    # weight_versions, one whole span per sample), in both runs: the switch at each commit
+    for run in (dcr, dense):
+        assert [r["rollout_versions"] for r in run["rows"]] == [[str(s)] for s in range(steps)]
+        assert all(r["rollout_spans_whole"] for r in run["rows"])
 
 
 @pytest.mark.megatron
