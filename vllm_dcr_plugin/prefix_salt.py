@@ -30,7 +30,7 @@ Limitations:
 1. Old versions' blocks are not freed at a commit; they age out of vLLM's LRU free queue like
    any unused cached block.
 2. Requests of a version share cache only with that version: between an apply and its commit
-   the version is ``"<t>-uncommitted"`` (versions.py), so a request that ran there shares no
+   the version is ``"<t>-uncommitted.<n>"`` (versions.py), so a request that ran there shares no
    block with the same version once committed (a miss, never a wrong hit).
 3. A KV connector's external cache is keyed by vLLM's block hashes too, so it is salted alike;
    nothing else of a connector is handled.
