@@ -93,34 +93,28 @@ def _rpc(fn: F) -> F:
                     raise TypeError(f"{e}; {fn.__name__} takes ({accepted})") from None
             out = fn(self, *args, **kwargs)
         except DCRError as e:
-            rank = getattr(self, "rank", 0)
-            return _with_weights(
-                self,
-                {
-                    "ok": False,
-                    "rank": int(rank),
-                    "error": f"{type(e).__name__}: {e}",
-                    "rpc": fn.__name__,
-                },
-            )
+            return _error_reply(self, fn.__name__, e, internal=False)
         except Exception as e:
-            rank = getattr(self, "rank", 0)
-            log.exception("dcr: %s failed on rank %s", fn.__name__, rank)
-            return _with_weights(
-                self,
-                {
-                    "ok": False,
-                    "rank": int(rank),
-                    "error": f"{type(e).__name__}: {e}",
-                    "rpc": fn.__name__,
-                    "internal": True,
-                },
-            )
+            log.exception("dcr: %s failed on rank %s", fn.__name__, getattr(self, "rank", 0))
+            return _error_reply(self, fn.__name__, e, internal=True)
         out.setdefault("ok", True)
         out["rpc"] = fn.__name__
         return _with_weights(self, out)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _error_reply(worker: Any, rpc: str, e: Exception, *, internal: bool) -> dict[str, Any]:
+    """The ``ok: False`` reply of `rpc` on this rank (`_rpc`); ``internal`` marks a defect."""
+    reply: dict[str, Any] = {
+        "ok": False,
+        "rank": int(getattr(worker, "rank", 0)),
+        "error": f"{type(e).__name__}: {e}",
+        "rpc": rpc,
+    }
+    if internal:
+        reply["internal"] = True
+    return _with_weights(worker, reply)
 
 
 def _with_weights(worker: Any, reply: dict[str, Any]) -> dict[str, Any]:
