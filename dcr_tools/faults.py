@@ -11,7 +11,8 @@ variable is unset, or PATH does not exist, `take` returns `NO_FAULTS` without to
 system beyond one ``stat``.
 
 Plan (JSON object): ``id`` (a fresh token per arming, written by `arm`), optionally ``rank`` (the
-worker rank it fires on; every rank when absent), and one or more of
+worker rank it fires on; every rank when absent) and ``role`` (the receiver it fires in:
+``base``, or ``draft`` for a speculative draft's; any when absent), and one or more of
 
 - ``kill_after_payloads``: SIGKILL the worker after staging that many payloads of a fetch
   (a receiver dying mid-transfer);
@@ -91,10 +92,10 @@ def environment(path: str | os.PathLike[str]) -> dict[str, str]:
     return {ENV: str(path), OBSERVER_ENV: OBSERVER}
 
 
-def take(rank: int, call: str) -> Faults:
+def take(rank: int, call: str, role: str = "base") -> Faults:
     """The faults the plan named by ``DCR_FAULT_PLAN`` arms for this `call` (``fetch``,
-    ``apply`` or ``pipelined``) on `rank`, consumed (see the module docstring); `NO_FAULTS`
-    when none."""
+    ``apply`` or ``pipelined``) on `rank` in the receiver of `role`, consumed (see the module
+    docstring); `NO_FAULTS` when none."""
     path = os.environ.get(ENV, "").strip()
     if not path or not os.path.exists(path):
         return NO_FAULTS
@@ -108,6 +109,8 @@ def take(rank: int, call: str) -> Faults:
         raise ProtocolError(f"{ENV}={path}: a fault plan is a JSON object")
     if plan.get("rank") is not None and int(plan["rank"]) != int(rank):
         return NO_FAULTS
+    if plan.get("role") is not None and plan["role"] != role:
+        return NO_FAULTS
     fire = {k: int(plan[k]) for k in _FIRES[call] if plan.get(k) is not None}
     if not fire:
         return NO_FAULTS
@@ -119,15 +122,20 @@ def take(rank: int, call: str) -> Faults:
     return Faults(**fire)
 
 
-def arm(path: str | os.PathLike[str], *, rank: int | None = None, **fault: int) -> None:
+def arm(
+    path: str | os.PathLike[str], *, rank: int | None = None, role: str | None = None, **fault: int
+) -> None:
     """Write a fault plan to `path` (atomically; a fresh id re-arms a consumed plan). `fault`:
-    one or more of ``kill_after_payloads``, ``fail_after_items``, ``kill_after_items``."""
+    one or more of ``kill_after_payloads``, ``fail_after_items``, ``kill_after_items``;
+    `role`: fire only in that receiver (``base`` or ``draft``)."""
     unknown = set(fault) - set(KEYS)
     if unknown or not fault:
         raise ValueError(f"a fault plan names one or more of {KEYS}, got {sorted(fault)}")
     plan: dict[str, Any] = {"id": uuid.uuid4().hex, **{k: int(v) for k, v in fault.items()}}
     if rank is not None:
         plan["rank"] = int(rank)
+    if role is not None:
+        plan["role"] = str(role)
     tmp = f"{path}.tmp"
     Path(tmp).write_text(json.dumps(plan))
     os.replace(tmp, path)
@@ -136,8 +144,8 @@ def arm(path: str | os.PathLike[str], *, rank: int | None = None, **fault: int) 
 class FaultPlan:
     """The receiver observer (vllm_dcr_plugin.observer.ReceiverObserver) that fires the plan."""
 
-    def begin(self, rank: int, call: Call) -> ArmedCall | None:
-        faults = take(rank, call)
+    def begin(self, rank: int, call: Call, role: str = "base") -> ArmedCall | None:
+        faults = take(rank, call, role)
         return None if faults == NO_FAULTS else ArmedCall(faults)
 
 

@@ -10,7 +10,9 @@ Contract: `probe(model, specs, scratch, condition)` pushes a zero view of `scrat
 - ``overwrite_only``: transformed or cast copies, or copies overlapping another copy into the
   same parameter (masked overwrite path);
 - ``skipped``: the loader writes nothing for the tensor on this rank (e.g. another rank's
-  experts) and reports nothing loaded;
+  experts) and reports nothing loaded; or, with `shared` given, it writes only storage that
+  another model owns (a speculative draft's embedding or LM head that vLLM shares with the
+  target model: the target's receiver writes it, `shared_skips` names these);
 - ``unsupported``: writes that read the item other than by copy, writes that would change
   resident bits, rebinding (``param.data = ...``), a loader exception, or a loader condition.
 
@@ -57,6 +59,7 @@ class Capabilities:
     unsupported: dict[str, str]
     plan: PlacementPlan
     writes: dict[str, frozenset[str]]  # traced tensor -> the model tensors its loader writes
+    shared: frozenset[str] = frozenset()  # skipped: only storage another model owns is written
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -85,9 +88,14 @@ def probe(
     specs: dict[str, TensorSpec],
     scratch: torch.Tensor,
     condition: str | None,
+    shared: frozenset[int] = frozenset(),
 ) -> Capabilities:
-    """Trace and classify every tensor of `specs` (see the module docstring)."""
+    """Trace and classify every tensor of `specs` (see the module docstring). `shared`: the
+    storage keys (intercept.storage_key) another model owns; a tensor whose writes all land
+    there is skipped (``shared``), one that writes there and elsewhere is unsupported."""
     storages = named_storages(model)
+    shared_params = {n for k, n in storages.items() if k in shared}
+    shared_skips: set[str] = set()
     before = param_snapshot(model)
     saved = {n: p.data for n, p in model.named_parameters()}
     skipped: set[str] = set()
@@ -117,6 +125,17 @@ def probe(
         if after != before:
             unsupported[name] = "loader rebinds parameters (param.data = ...)"
             continue
+        written = {r.param for r in handler.records}
+        if written and written <= shared_params:
+            skipped.add(name)
+            shared_skips.add(name)
+            continue
+        if written & shared_params:
+            unsupported[name] = (
+                f"the loader writes storage another model owns ({sorted(written & shared_params)}) "
+                f"and this model's own ({sorted(written - shared_params)})"
+            )
+            continue
         reason = classify(handler.records, set(loaded) if loaded is not None else None)
         if reason == "skip":
             skipped.add(name)
@@ -143,6 +162,7 @@ def probe(
         unsupported=unsupported,
         plan=build_plan(traces, direct, model),
         writes={n: frozenset(r.param for r in recs) for n, recs in traces.items()},
+        shared=frozenset(shared_skips),
     )
 
 

@@ -8,9 +8,10 @@ without any product module importing it.
 
 Call points (the receiver of each rank calls them on its worker thread, in this order):
 
-1. `ReceiverObserver.begin(rank, call)` once per call: at the start of each ``apply``, and for a
-   ``fetch`` after its payload source is open (a plain fetch: after the attempt's seal was
-   read). It returns the call's `CallObserver`, or None to watch nothing more of this call.
+1. `ReceiverObserver.begin(rank, call, role)` once per call: at the start of each ``apply``,
+   and for a ``fetch`` after its payload source is open (a plain fetch: after the attempt's
+   seal was read). `role`: the receiver's model, ``"base"`` or ``"draft"`` (a speculative
+   draft's receiver). It returns the call's `CallObserver`, or None to watch nothing more of this call.
 2. `CallObserver.before_payload(index, data)` before the receiver stages each fetched payload
    (`index`: the payloads of this call staged before it).
 3. `CallObserver.before_item(item)` before the placement plan or the native loader pulls each
@@ -56,7 +57,7 @@ class CallObserver(Protocol):
 class ReceiverObserver(Protocol):
     """Watches a receiver: returns a `CallObserver` per call, or None."""
 
-    def begin(self, rank: int, call: Call) -> CallObserver | None: ...
+    def begin(self, rank: int, call: Call, role: str = "base") -> CallObserver | None: ...
 
 
 def load_observer(path: str | None) -> ReceiverObserver | None:

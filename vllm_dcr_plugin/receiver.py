@@ -17,9 +17,10 @@ Limitations:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.apply import ItemCounter, PlanChecks, apply_staged
 from vllm_dcr_plugin.capability import numel, probe
 from vllm_dcr_plugin.config import ReceiverConfig
+from vllm_dcr_plugin.intercept import named_storages
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
 from vllm_dcr_plugin.observer import Call, CallObserver, ReceiverObserver, load_observer
 from vllm_dcr_plugin.placement import (
@@ -57,7 +59,10 @@ class Receiver:
     """Receiver of one rank (see the module docstring). Methods return plain values.
 
     `config`: the receiver's settings (default: `ReceiverConfig.from_env()`); `placement`
-    overrides its start-up placement mode; `observer` overrides the observer its config names."""
+    overrides its start-up placement mode; `observer` overrides the observer its config names;
+    `role`: ``"base"``, or ``"draft"`` for a speculative draft model's receiver, whose
+    `shared_with` (the target model) owns storage the draft shares: tensors written only there
+    are the target receiver's (capability.probe, ``shared``)."""
 
     def __init__(
         self,
@@ -69,6 +74,8 @@ class Receiver:
         placement: str | None = None,
         config: ReceiverConfig | None = None,
         observer: ReceiverObserver | None = None,
+        role: str = "base",
+        shared_with: torch.nn.Module | None = None,
     ) -> None:
         config = config if config is not None else ReceiverConfig.from_env()
         mode = (
@@ -78,6 +85,9 @@ class Receiver:
         self.placing = Placement(mode)
         self.model = model
         self.rank = rank
+        self.role = role
+        self.shared_with = shared_with
+        self.shared: set[str] = set()  # skipped: the target receiver writes them
         self.gate = gate or (lambda: None)
         self.loader_condition = loader_condition or (lambda: None)
         self.observer = observer if observer is not None else load_observer(config.observer)
@@ -115,6 +125,25 @@ class Receiver:
     def _rank(self) -> int:
         return int(self.rank.get("rank", 0))
 
+    @contextlib.contextmanager
+    def _partial_loads(self) -> Iterator[None]:
+        """The scope of ``load_weights`` calls that pass some tensors only (prewarm traces and
+        applies): the checkpoint format of quantized layers (quantized.py), and vLLM's MTP
+        completeness check off, as vLLM's own weight-transfer engines turn it off (an MTP
+        draft's loader otherwise refuses any call without an MTP layer tensor)."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        with quantized.checkpoint_format(self.model), disable_mtp_completeness_check():
+            yield
+
+    def _shared(self) -> frozenset[int]:
+        """Storage keys of the model this one shares storage with (none for the base)."""
+        if self.shared_with is None:
+            return frozenset()
+        return frozenset(named_storages(self.shared_with))
+
     def prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
         """Register canonical tensors, reserve scratch, and trace the loader once per tensor
         with every write into model storage suppressed (capability.py). Returns the report."""
@@ -130,11 +159,11 @@ class Receiver:
             ) from None
         # compile the scatter kernels now, not inside the first timed apply
         warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
-        with quantized.checkpoint_format(self.model):
-            caps = probe(self.model, specs, scratch, self.loader_condition())
+        with self._partial_loads():
+            caps = probe(self.model, specs, scratch, self.loader_condition(), self._shared())
         quantized.check_recipe(self.model, {n: s.dtype for n, s in specs.items()}, caps.writes)
         self.scratch, self.tensors = scratch, specs
-        self.skipped = set(caps.skipped)
+        self.skipped, self.shared = set(caps.skipped), set(caps.shared)
         self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
         self.placing.plan = caps.plan
         self.derived = derived.plan_rederive(self.model, caps.writes)
@@ -152,6 +181,7 @@ class Receiver:
             **self.rank,
             "tensors": len(specs),
             "skipped": sorted(self.skipped),
+            **({"role": self.role, "shared": sorted(self.shared)} if self.role != "base" else {}),
             "overwrite_only": dict(sorted(self.overwrite_only.items())),
             "unsupported": dict(sorted(self.unsupported.items())),
             "scratch_bytes": int(scratch.numel()),
@@ -181,9 +211,9 @@ class Receiver:
         if gate:
             raise ProtocolError(f"request gate closed for verify_plan: {gate}")
         old = self.placing.plan or PlacementPlan()
-        with quantized.checkpoint_format(self.model):
+        with self._partial_loads():
             stale = old.stale(current_tensors(self.model, old.params))
-            caps = probe(self.model, self.tensors, scratch, self.loader_condition())
+            caps = probe(self.model, self.tensors, scratch, self.loader_condition(), self._shared())
         diff = old.differences(caps.plan)
         refused = self.refused  # refusals of derived tensors and quantized layers stand
         unsupported = {**caps.unsupported, **refused}
@@ -194,7 +224,7 @@ class Receiver:
             or unsupported != self.unsupported
         )
         self.placing.plan = caps.plan
-        self.skipped = set(caps.skipped)
+        self.skipped, self.shared = set(caps.skipped), set(caps.shared)
         self.overwrite_only, self.unsupported = overwrite_only, unsupported
         if diff:
             self.metrics.plan_mismatches.inc(len(diff))
@@ -277,6 +307,7 @@ class Receiver:
                 steps,
                 rank=self._rank,
                 observer=self.observer,
+                role=self.role,
             )
         except BaseException:
             if self.state == _S.APPLYING:  # part of the attempt is in the weights
@@ -302,7 +333,11 @@ class Receiver:
         and buffer keeps its storage address: device.storage_pointers) and finished on the
         device before the ACK is returned (device.synchronize); an error the device reports
         then fails the ACK."""
-        watch = None if self.observer is None else self.observer.begin(self._rank, Call.APPLY)
+        watch = (
+            None
+            if self.observer is None
+            else self.observer.begin(self._rank, Call.APPLY, self.role)
+        )
         return self._metered(int(attempt), bool(verify), watch, final=True, expect=expect).to_wire()
 
     def _metered(
@@ -370,7 +405,7 @@ class Receiver:
         touched = {it.name for p in staged for it in p.header.items}
         t_start = time.perf_counter()
         try:
-            with quantized.checkpoint_format(self.model):
+            with self._partial_loads():
                 apply_staged(
                     self.model,
                     staged,

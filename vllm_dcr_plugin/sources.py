@@ -104,6 +104,7 @@ def fetch_attempt(
     *,
     rank: int,
     observer: ReceiverObserver | None = None,
+    role: str = "base",
 ) -> tuple[dict[str, Any], list[RankAck]]:
     """Fetch and stage every payload of (`version`, `attempt`) from `source` (see the module
     docstring); returns the counts (``payloads``, ``bytes``, ``staged``, ``duplicates``,
@@ -115,7 +116,7 @@ def fetch_attempt(
     sealed = None if pipelined else sealed_set(source, version, attempt, timeout_s)
     payloads = attempt_payloads(source, version, attempt, timeout_s, streaming=pipelined)
     call = Call.PIPELINED if pipelined else Call.FETCH
-    watch = observer.begin(rank, call) if observer is not None else None
+    watch = observer.begin(rank, call, role) if observer is not None else None
     out: dict[str, Any] = {"payloads": 0, "bytes": 0, "staged": 0, "duplicates": 0}
     acks: list[RankAck] = []
     arrived: Callable[[], bool] = getattr(payloads, "ready", lambda: False)

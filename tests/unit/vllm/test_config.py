@@ -80,7 +80,7 @@ class Recorder:
 
     seen: list[tuple] = []
 
-    def begin(self, rank: int, call: Call) -> Recorder:
+    def begin(self, rank: int, call: Call, role: str = "base") -> Recorder:
         self.seen.append(("begin", rank, str(call)))
         return self
 
