@@ -17,7 +17,10 @@ RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_st
 ``dcr_verify_plan``, ``dcr_set_placement``, ``dcr_metrics``, ``dcr_status``.
 
 Limitations:
-1. The request gate checks that the worker holds no request state; the orchestrator closes the
+1. An engine with a speculative draft model (MTP, EAGLE, a draft model) is refused at
+   ``dcr_prewarm`` and ``dcr_dense_load``: these RPCs refit the base model only; the native
+   backend ``dcr`` refits the draft in the same transition (transfer/worker_engine.py).
+2. The request gate checks that the worker holds no request state; the orchestrator closes the
    gate (sync RL: between generations; async RL: ``pause_generation``). The prefix cache is
    salted by weight version in the engine core (prefix_salt.py; every reply's ``weights``
    feeds the version, versions.py), so no reset is needed; with ``DCR_PREFIX_SALT=0`` the
@@ -167,6 +170,17 @@ class DCRWorkerExtension:
     def _dcr_receiver(self) -> Receiver:
         return dcr_worker.receiver_of(self)
 
+    def _dcr_base_only(self, rpc: str) -> None:
+        """`ProtocolError` on an engine that runs a speculative draft: these RPCs refit the
+        base model only, which would leave the draft stale."""
+        if dcr_worker.draft_model(self) is not None:
+            raise ProtocolError(
+                f"{rpc}: this engine runs a speculative draft model, and the dcr_* RPCs refit "
+                "only the base model (the draft would go stale); refit it through vLLM's "
+                "weight-transfer API with backend 'dcr' (--weight-transfer-config "
+                '\'{"backend": "dcr"}\'), which refits both in one transition'
+            )
+
     @_rpc
     def dcr_prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
         """Register canonical tensors ``[[name, dtype, shape], ...]``, reserve scratch for the
@@ -175,6 +189,7 @@ class DCRWorkerExtension:
         with _arguments("dcr_prewarm"):
             tensor_specs(tensors)
             version = _int(committed_version, "committed_version")
+        self._dcr_base_only("dcr_prewarm")
         return self._dcr_receiver().prewarm(tensors, version)
 
     @_rpc
@@ -249,6 +264,7 @@ class DCRWorkerExtension:
 
         with _arguments("dcr_dense_load"):
             version = _int(version, "version")  # before any download
+        self._dcr_base_only("dcr_dense_load")
         with local_checkpoint(path) as local:
             with _arguments("dcr_dense_load"):
                 checked = _checkpoint(local, "path")

@@ -1,6 +1,8 @@
 """DCR's glue inside a vLLM worker process: which worker this process runs, whether its engine's
 generation is paused, and the worker's one `Receiver`, shared by both front doors (the
-``dcr_*`` RPCs of `DCRWorkerExtension` and the native weight-transfer engine ``dcr``).
+``dcr_*`` RPCs of `DCRWorkerExtension` and the native weight-transfer engine ``dcr``), plus,
+when the engine runs speculative decoding with a draft model (MTP layers, EAGLE, a draft
+model), the draft's own `Receiver` (`draft_receiver_of`: the native engine's draft sessions).
 
 The general plugin's ``register()`` installs, in every vLLM process, three wrappers of vLLM's
 ``Worker`` methods (the CPU worker inherits them; the wrappers are here, their installation and
@@ -181,4 +183,50 @@ def receiver_of(worker: Any) -> Receiver:
             config=ReceiverConfig.from_env(),
         )
         worker._dcr_state = receiver
+    return receiver
+
+
+def draft_model(worker: Any) -> torch.nn.Module | None:
+    """The worker's speculative draft model (MTP layers, EAGLE, a draft model), None without
+    one (vLLM's ``Worker.get_draft_model``)."""
+    get = getattr(worker, "get_draft_model", None)
+    return get() if callable(get) else None
+
+
+def existing_draft_receiver(worker: Any) -> Receiver | None:
+    """The worker's draft Receiver if one was created (`draft_receiver_of`), else None."""
+    return getattr(worker, "_dcr_draft_state", None)
+
+
+def draft_receiver_of(worker: Any) -> Receiver:
+    """The Receiver of the worker's speculative draft model (created on first use, with the
+    base receiver's rank, gate and loader condition, and serving no metrics port). Storage vLLM shares between the draft and
+    the target model (an MTP or EAGLE draft's embedding or LM head) is the target receiver's:
+    the draft's receiver skips tensors that write only there. `ProtocolError` when the engine
+    runs no draft model."""
+    receiver = getattr(worker, "_dcr_draft_state", None)
+    if receiver is None:
+        import dataclasses
+
+        from vllm_dcr_plugin.config import ReceiverConfig
+        from vllm_dcr_plugin.receiver import Receiver
+
+        model = draft_model(worker)
+        if model is None:
+            raise ProtocolError(
+                "this engine runs no speculative draft model (start vLLM with "
+                "--speculative-config naming an MTP, EAGLE or draft-model method)"
+            )
+        config = dataclasses.replace(ReceiverConfig.from_env(), metrics_port=None)
+        base = receiver_of(worker)  # the same worker: its coordinates, gate and condition
+        receiver = Receiver(
+            model,
+            rank=dict(base.rank),
+            gate=base.gate,
+            loader_condition=base.loader_condition,
+            config=config,
+            role="draft",
+            shared_with=_model(worker),
+        )
+        worker._dcr_draft_state = receiver
     return receiver

@@ -13,6 +13,14 @@ DCR's joint commit maps onto vLLM's phases (docs/protocol.md, "Native weight tra
 - `send_abort`: ``finish_weight_update()`` without a commit record for the attempt: fenced;
 - `read_digest`: the digest the ranks reported with their last successful init or update.
 
+An engine that runs a speculative draft (its init reports say ``draft``) gets each attempt in
+two sessions: the base part (``start_weight_update`` + ``update_weights`` +
+``finish_weight_update()``, which holds it), then the draft part (``start_draft_weight_update``
++ ``update_weights``), whose session the commit or abort closes; the ACK merges both parts'
+reports, and the engine's digest covers both models. vLLM 0.32's clients have no
+``start_draft_weight_update``: `start_draft_session` posts vLLM's own route (HTTP) or calls the
+actors' method (Ray) itself.
+
 The channel keeps vLLM's session state (``start_weight_update`` opens it,
 ``finish_weight_update`` closes it) so that it never calls one out of order (the worker would
 raise and, with TP > 1, leave stale replies in vLLM's executor).
@@ -64,6 +72,7 @@ class NativeChannel:
         self.launcher, self.digests = launcher, digests
         self.world_size = 1
         self.session_open = False
+        self.draft = False  # the engine runs a speculative draft (its init reports say so)
         self.applied: tuple[int, int] | None = None  # (version, attempt) applied, not finished
         self.reports: list[RankReport] = []  # of the last update
         self.last_digest = ""
@@ -125,6 +134,7 @@ class NativeChannel:
         self.world_size = RankReport.parse(first, what=f"engine {self.name} init report").world_size
         got = self._collect(step)
         self._raise_failed("init", got)
+        self.draft = any("draft" in r.extra for r in got)
         self.last_digest = self._combined(got)
         self._finish(str(version))
         return got
@@ -144,17 +154,29 @@ class NativeChannel:
             "verify": verify,
             "digest": self.digests,
             "timeout_s": float(timeout_s),
+            "draft": self.draft,
         }
         self.applied = (int(version), int(attempt))
         self._call(self.client.update_weights, update)
+        if self.draft:  # the base part's finish holds it for the draft part
+            self._call(self.client.finish_weight_update, None)
+            self.session_open = False
         try:
             got = self._collect(reports.update_step(version, attempt))
         except DCRError as e:
             return EngineAck.failed(str(e))
+        if self.draft and all(r.ok for r in got):
+            self._call(start_draft_session, self.client)
+            self.session_open = True
+            self._call(self.client.update_weights, update)
+            try:
+                got = got + self._collect(reports.draft_update_step(version, attempt))
+            except DCRError as e:
+                return EngineAck.failed(str(e))
         self.reports = got
         ack = EngineAck.merge(got, pipelined=pipelined)
-        if ack.ok:
-            self.last_digest = self._combined(got)
+        if ack.ok:  # with a draft: the draft part's reports (their digest covers both models)
+            self.last_digest = self._combined(got[len(got) - self.world_size :])
         return ack
 
     def send_commit(self, version: int) -> None:
@@ -188,6 +210,34 @@ class NativeChannel:
         assert self.launcher is not None
         self.client = self.launcher(self.name)
         self.session_open = False
+
+
+def start_draft_session(client: Any) -> None:
+    """``start_draft_weight_update`` through `client`: its own method where it has one, else
+    vLLM's route ``/start_draft_weight_update`` (an `HTTPVLLMWeightSyncClient`: its
+    ``base_url`` and ``timeout``) or the actors' method (a `RayVLLMWeightSyncClient`: its
+    ``handles``). `DCRError` for a client that offers none of these."""
+    own = getattr(client, "start_draft_weight_update", None)
+    if callable(own):
+        own()
+        return
+    base_url = getattr(client, "base_url", None)
+    if isinstance(base_url, str):
+        import requests
+
+        timeout = float(getattr(client, "timeout", 300))
+        requests.post(f"{base_url}/start_draft_weight_update", timeout=timeout).raise_for_status()
+        return
+    handles = getattr(client, "handles", None)
+    if isinstance(handles, list):
+        import ray
+
+        ray.get([h.start_draft_weight_update.remote() for h in handles])
+        return
+    raise DCRError(
+        f"{type(client).__name__} cannot start a draft weight-update session (no "
+        "start_draft_weight_update, base_url or Ray handles); the engine runs a speculative draft"
+    )
 
 
 class NativeEngine(EngineHandle, NativeChannel):

@@ -12,6 +12,7 @@ Keys (``<engine>`` is the name the trainer gave the engine at init)::
 
     reports/<engine>/init/s<session>/rank<r>.json             prewarm / dense load at init
     reports/<engine>/v<version>/a<attempt>/update/rank<r>.json  one attempt fetched and applied
+    reports/<engine>/v<version>/a<attempt>/update/draft/rank<r>.json  ... into the draft model
     reports/<engine>/v<version>/a<attempt>/finish/rank<r>.json  committed or fenced
     reports/<engine>/v<version>/restore/s<session>/rank<r>.json dense load of a committed version
 
@@ -41,6 +42,11 @@ def init_step(session: str) -> str:
 
 def update_step(version: int, attempt: int) -> str:
     return f"v{int(version):012d}/a{int(attempt):06d}/update"
+
+
+def draft_update_step(version: int, attempt: int) -> str:
+    """The report of an attempt's draft part (a speculative draft's weight-update session)."""
+    return update_step(version, attempt) + "/draft"
 
 
 def finish_step(version: int, attempt: int) -> str:

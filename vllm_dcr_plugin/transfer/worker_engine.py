@@ -25,6 +25,20 @@ Calls (the trainer engine `vllm_dcr_plugin.transfer.trainer_engine` makes them i
    fenced (its late payloads are refused) and the receiver stays dirty if part of it was
    written. vLLM stamps ``weight_version`` on the engine after this returns.
 
+Speculative draft (MTP layers, EAGLE, a draft model; ``supports_draft_weight_update``): the
+draft is refit in the same transition as the base weights, from the same attempt, by its own
+receiver (worker.draft_receiver_of; storage the draft shares with the target model is the
+target receiver's). On an engine with a draft, init prewarms (and dense-loads) both, and every
+update says ``draft: true``; an attempt then runs in two sessions:
+
+- ``start_weight_update`` + ``update_weights`` + ``finish_weight_update``: the base part. The
+  finish holds the attempt: no decision yet, nothing reported;
+- ``start_draft_weight_update`` + ``update_weights`` (the same version and attempt, reported
+  under ``update/draft``) + ``finish_weight_update``: the draft part, and the decision for
+  both: both receivers commit when the commit record names the attempt, and both fence it
+  otherwise. A failure of either part, a draft part that never came, or one naming another
+  attempt fences both, so the draft never holds another version than the base weights.
+
 Never raises: a worker exception inside a multi-rank ``collective_rpc`` leaves stale replies in
 vLLM's executor, and a raising ``finish_weight_update`` leaves the worker's session open. Every
 call writes a per-rank report into the control store instead (vllm_dcr_plugin.transfer.reports):
@@ -32,7 +46,7 @@ call writes a per-rank report into the control store instead (vllm_dcr_plugin.tr
 nothing; so is a stale or foreign update (base version != the committed version).
 
 Limitations:
-1. No draft-model (speculative decoding) updates.
+1. The draft part fetches the attempt's payloads again (the draft receiver stages its own copy).
 2. Reports are how results travel; an engine whose control store is unreachable cannot report
    and the trainer sees missing reports (a failed attempt).
 """
@@ -52,6 +66,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from shared_codec.checkpoint import combined_digest
 from shared_codec.coordination.commit import CommitLog
 from shared_codec.errors import DCRError, ProtocolError
 from shared_codec.replica.client import is_checkpoint_url, local_checkpoint
@@ -113,7 +128,9 @@ class DCRUpdateInfo(WeightTransferUpdateInfo):
     """``update_info`` of backend ``dcr``: one attempt. `pipelined`: apply each payload as it
     arrives (else fetch all, then apply); `overwrite_only`: reject XOR items (retries);
     `verify`: post-apply comparison of the touched elements; `digest`: report the weights'
-    digest after apply (and check it again at finish); `timeout_s`: the fetch deadline."""
+    digest after apply (and check it again at finish); `timeout_s`: the fetch deadline;
+    `draft`: the engine's speculative draft is refit from this attempt too (needed exactly when
+    the engine runs one: the base part's finish then waits for the draft part)."""
 
     version: int = 0
     base_version: int = 0
@@ -123,6 +140,7 @@ class DCRUpdateInfo(WeightTransferUpdateInfo):
     verify: bool = False
     digest: bool = False
     timeout_s: float = 600.0
+    draft: bool = False
 
 
 @dataclass
@@ -172,7 +190,7 @@ def parse_update(d: Any) -> DCRUpdateInfo:
         info.version = integer(info.version, "version")
         info.base_version = integer(info.base_version, "base_version")
         info.attempt = integer(info.attempt, "attempt")
-        for flag in ("pipelined", "overwrite_only", "verify", "digest"):
+        for flag in ("pipelined", "overwrite_only", "verify", "digest", "draft"):
             setattr(info, flag, boolean(getattr(info, flag), flag))
         info.timeout_s = seconds(info.timeout_s, "timeout_s")
         if info.version <= info.base_version:
@@ -190,7 +208,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
 
     init_info_cls = DCRInitInfo
     update_info_cls = DCRUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
 
     def __init__(
         self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
@@ -199,6 +217,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         self.init: DCRInitInfo | None = None
         self.control: ObjectStore | None = None
         self.pending: tuple[int, int] | None = None  # (version, attempt) awaiting finish
+        self.pending_draft = False  # the pending base part's draft part follows
+        self.held: tuple[int, int] | None = None  # a base part awaiting its draft part
         self.reported_digest: str | None = None
         self.world_size = int(vllm_config.parallel_config.world_size)
 
@@ -206,8 +226,35 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def _worker(self) -> Any:
         return dcr_worker.current_worker()
 
+    def _draft_session(self) -> bool:
+        """Whether vLLM aimed this session at the draft model (``start_draft_weight_update``:
+        `set_weight_update_target`)."""
+        return self.model is not self._default_model
+
+    def _has_draft(self) -> bool:
+        return dcr_worker.draft_model(self._worker()) is not None
+
     def _receiver(self) -> Any:
+        """The receiver of the session's model (the draft's in a draft session)."""
+        if self._draft_session():
+            return dcr_worker.draft_receiver_of(self._worker())
         return dcr_worker.receiver_of(self._worker())
+
+    def _receivers(self) -> list[Any]:
+        """The base receiver, and the draft's when the engine runs a draft."""
+        worker = self._worker()
+        out = [dcr_worker.receiver_of(worker)]
+        if self._has_draft():
+            out.append(dcr_worker.draft_receiver_of(worker))
+        return out
+
+    def _digest(self) -> str:
+        """The digest of the weights this engine refits: the base model's, combined with the
+        draft's when the engine runs one."""
+        digests = [r.digest()["digest"] for r in self._receivers()]
+        if len(digests) == 1:
+            return str(digests[0])
+        return combined_digest({"base": digests[0], "draft": digests[1]})
 
     def _rank(self) -> int:
         try:
@@ -226,6 +273,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             base["paused"] = dcr_worker.paused()
             status = self._receiver().status()
             base.update(
+                role="draft" if self._draft_session() else "base",
                 state=status["state"],
                 committed_version=status["committed_version"],
                 target_version=status["target_version"],
@@ -271,26 +319,37 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         except Exception as e:
             logger.error("DCR engine %s: control store: %s", init_info.engine, e)
             return
-        stale, previous = self.pending, (self.init, self.control)
-        self.init, self.control, self.pending = init_info, control, None
+        stale = [a for a in (self.pending, self.held) if a is not None]
+        previous = (self.init, self.control)
+        self.init, self.control, self.pending, self.held = init_info, control, None, None
         step = reports.init_step(init_info.session)
         try:
-            receiver = self._receiver()
             worker = self._worker()
             if patches.weight_update_active(worker):
                 # a trainer that vanished mid-session: close it, refuse its attempt's payloads
                 patches.close_weight_update(worker)
-                if stale is not None:
-                    receiver.abort(stale[1])
+            for receiver in self._receivers():
+                for _, attempt in stale:
+                    receiver.abort(attempt)
+            receivers = self._receivers()  # the base model's, then the draft's
             out: dict[str, Any] = {}
             if init_info.dense_path is not None:  # a replica's URL is downloaded first
                 with local_checkpoint(init_info.dense_path) as local:
-                    out["dense_load"] = receiver.dense_load(local, init_info.committed_version)
-            out["prewarm"] = receiver.prewarm(init_info.tensors, init_info.committed_version)
+                    loads = [r.dense_load(local, init_info.committed_version) for r in receivers]
+                out["dense_load"] = loads[0]
+                if len(loads) > 1:
+                    out["draft_dense_load"] = loads[1]
+            prewarms = [
+                r.prewarm(init_info.tensors, init_info.committed_version) for r in receivers
+            ]
+            out["prewarm"] = prewarms[0]
+            if len(prewarms) > 1:
+                out["draft"] = {"prewarm": prewarms[1]}
             if init_info.key is not None:  # only an init that succeeded changes the key
-                receiver.staging.key = bytes.fromhex(init_info.key)
+                for receiver in receivers:
+                    receiver.staging.key = bytes.fromhex(init_info.key)
             if init_info.digest:
-                out["digest"] = receiver.digest()["digest"]
+                out["digest"] = self._digest()
             self._report(step, {"ok": True, "error": None, **out})
         except Exception as e:
             self._report(step, self._error(e))
@@ -317,7 +376,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             logger.exception("DCR engine: writing the init report failed")
 
     def start_weight_update(self) -> None:
-        """Opens vLLM's session; DCR checks everything in `update_weights`."""
+        """Opens vLLM's session (a draft session: vLLM aimed `model` at the draft first); DCR
+        checks everything in `update_weights`."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One attempt (see the module docstring); never raises, always reports.
@@ -372,12 +432,16 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         if isinstance(info, _Invalid):
             self._report(self._invalid_step(raw), {"ok": False, "error": info.error})
             return
-        step = reports.update_step(info.version, info.attempt)
+        draft_session = self._draft_session()
+        step = (reports.draft_update_step if draft_session else reports.update_step)(
+            info.version, info.attempt
+        )
         if self.init is None:
             self._report(step, {"ok": False, "error": "ProtocolError: init not done"})
             return
         t0 = time.perf_counter()
         try:
+            self._check_parts(info, draft_session)
             receiver = self._receiver()
             if info.base_version != receiver.committed_version:
                 raise ProtocolError(
@@ -390,6 +454,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
                 raise ProtocolError(f"request gate closed for apply: {closed}")
             gate_seen = dcr_worker.gate_state(self._worker())
             self.pending, self.reported_digest = (info.version, info.attempt), None
+            self.pending_draft = info.draft and not draft_session
             opts = {"verify": info.verify} if info.pipelined else None
             fetched = receiver.fetch(
                 self.init.source,
@@ -405,42 +470,105 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
             out: dict[str, Any] = {"ok": bool(ack.get("ok")), "error": ack.get("error")}
             out.update(ack=ack, fetch=fetched, gate=gate_seen, seconds=time.perf_counter() - t0)
             if out["ok"] and info.digest:
-                self.reported_digest = out["digest"] = receiver.digest()["digest"]
+                out["digest"] = self._digest()
+                if not self.pending_draft:  # the draft part's digest is the one finish checks
+                    self.reported_digest = out["digest"]
             self._report(step, out)
         except Exception as e:
             self._report(step, {**self._error(e), "seconds": time.perf_counter() - t0})
 
+    def _check_parts(self, info: DCRUpdateInfo, draft_session: bool) -> None:
+        """`ProtocolError` (nothing changed) for an update that does not fit the engine's draft:
+        ``draft`` must say whether the engine runs one, and a draft part must follow its base
+        part (the same version and attempt, held by the base session's finish). A base part
+        while another attempt's base part is still held fences that one first."""
+        has_draft = self._has_draft()
+        if info.draft != has_draft:
+            raise ProtocolError(
+                "update_info draft=true, but this engine runs no speculative draft model"
+                if info.draft
+                else "this engine runs a speculative draft model: refit it in the same "
+                "transition (update_info draft=true, then the same attempt in a draft session: "
+                "start_draft_weight_update); a base-only update would leave the draft stale"
+            )
+        if not draft_session:
+            if self.held is not None:  # a transition whose draft part never came
+                self._fence(self.held[1], self._receivers())
+                self.held = None
+            return
+        if self.held != (info.version, info.attempt):
+            raise ProtocolError(
+                f"draft part of version {info.version} attempt {info.attempt}: its base part "
+                + (
+                    "was not applied (send the base part first, in a base session)"
+                    if self.held is None
+                    else f"is not the one held (version {self.held[0]} attempt {self.held[1]})"
+                )
+            )
+
+    @staticmethod
+    def _fence(attempt: int, receivers: list[Any]) -> dict[str, Any]:
+        """Fence `attempt` in every receiver; the base receiver's answer."""
+        return [r.abort(attempt) for r in receivers][0]
+
     def finish_weight_update(self) -> None:
         """Commit the pending attempt if the commit record names it, else fence it (see the
-        module docstring); never raises, reports unless nothing was pending."""
-        if self.pending is None or self.init is None or self.control is None:
+        module docstring); never raises, reports unless nothing was pending. With a draft: the
+        base part's finish holds the attempt, the draft part's decides for both."""
+        if self.init is None or self.control is None:
             return
-        version, attempt = self.pending
-        self.pending = None
+        draft_session = self._draft_session()
+        if self.pending is not None and self.pending_draft and not draft_session:
+            self.held, self.pending, self.pending_draft = self.pending, None, False
+            return  # the draft session's finish decides for both parts
+        held, pending = self.held, self.pending
+        if pending is None and held is None:
+            return
+        version, attempt = pending if pending is not None else held  # type: ignore[misc]
+        self.pending = self.held = None
         step = reports.finish_step(version, attempt)
         try:
-            receiver = self._receiver()
+            receivers = self._receivers() if held is not None else [self._receiver()]
             record = CommitLog(self.control).get(version)
-            if record is None or record.attempt != attempt:
-                out = receiver.abort(attempt)
-                named = "no commit record" if record is None else f"attempt {record.attempt}"
+            why = None
+            if held is not None and not (draft_session and pending == held):
+                why = "its draft part was not applied"
+            elif record is None or record.attempt != attempt:
+                why = "no commit record" if record is None else f"attempt {record.attempt}"
+            if why is not None:
+                out = self._fence(attempt, receivers)
                 self._report(
                     step,
-                    {"ok": True, "error": None, "committed": False, "fenced": out, "why": named},
+                    {"ok": True, "error": None, "committed": False, "fenced": out, "why": why},
                 )
                 return
             if self.reported_digest is not None:
-                now = receiver.digest()["digest"]
+                now = self._digest()
                 if now != self.reported_digest:
-                    receiver.abort(attempt)
+                    self._fence(attempt, receivers)
                     raise DCRError(
                         f"post-apply check: weights changed between the update's report "
                         f"({self.reported_digest[:12]}) and finish ({now[:12]}); not committed"
                     )
-            out = receiver.commit(version)
-            self._report(step, {"ok": True, "error": None, "committed": True, "commit": out})
+            waiting = [  # both parts or neither (one receiver: commit() checks its own state)
+                r.role
+                for r in receivers
+                if len(receivers) > 1
+                and (r.state.value != "applied" or r.target_version != version)
+            ]
+            if waiting:
+                self._fence(attempt, receivers)
+                raise DCRError(
+                    f"the {', '.join(waiting)} model holds no applied version {version}; "
+                    "not committed"
+                )
+            commits = [r.commit(version) for r in receivers]
+            out = {"ok": True, "error": None, "committed": True, "commit": commits[0]}
+            if len(commits) > 1:
+                out["draft_commit"] = commits[1]
+            self._report(step, out)
         except Exception as e:
             self._report(step, {**self._error(e), "committed": False})
 
     def shutdown(self) -> None:
-        self.init, self.control, self.pending = None, None, None
+        self.init, self.control, self.pending, self.held = None, None, None, None

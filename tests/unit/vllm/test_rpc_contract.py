@@ -473,3 +473,18 @@ def test_a_fetch_beyond_the_next_version_is_refused_at_once(tmp_path: Path) -> N
     assert reply["ok"] is False and "version 3 is not the next one" in reply["error"], reply
     assert "committed version 0" in reply["error"] and _snapshot(ext) == before
     assert ext.dcr_fetch(spec, 1, 0, 10.0, {"verify": True})["ok"]
+
+
+def test_rpcs_refuse_an_engine_with_a_speculative_draft(tmp_path: Path) -> None:
+    """The ``dcr_*`` RPCs refit the base model only: on a FAKE worker that runs a draft model,
+    ``dcr_prewarm`` and ``dcr_dense_load`` are refused naming the native backend, nothing
+    changed (the backend ``dcr`` refits both: test_native_draft.py)."""
+    ext, v0, _ = _extension()
+    ext.get_draft_model = FakeLoaderModel  # type: ignore[attr-defined]
+    before = _snapshot(ext)
+    path = save_checkpoint(v0, tmp_path / "v0")
+    for reply in (ext.dcr_prewarm(TABLE, 0), ext.dcr_dense_load(str(path), 0)):
+        assert reply["ok"] is False and reply["error"].startswith("ProtocolError: "), reply
+        assert "runs a speculative draft model" in reply["error"], reply
+        assert "weight-transfer API with backend 'dcr'" in reply["error"], reply
+    assert _snapshot(ext) == before
