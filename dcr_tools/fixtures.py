@@ -694,14 +694,51 @@ def mla_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_tiny_mla_model(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write the receiver-only DeepSeek-V3 style checkpoint (module docstring) to `path`."""
+#: an MTP layer's own tensors besides its decoder layer (DeepSeek-V3's checkpoint layout)
+MTP_EXTRA = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
+
+
+def mtp_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The canonical tensors of `cfg`'s ``num_nextn_predict_layers`` MTP layers (DeepSeek-V3:
+    ``model.layers.<num_hidden_layers + i>.*``, a full decoder layer plus `MTP_EXTRA`)."""
+    n, k = cfg["num_hidden_layers"], int(cfg.get("num_nextn_predict_layers") or 0)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    deeper = mla_shapes({**cfg, "num_hidden_layers": n + k})
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(n, n + k):
+        p = f"model.layers.{i}."
+        shapes.update({name: s for name, s in deeper.items() if name.startswith(p)})
+        extra = {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "shared_head.norm": (h,)}
+        extra.update({"shared_head.head": (vocab, h), "embed_tokens": (vocab, h)})
+        shapes.update({f"{p}{t}.weight": extra[t] for t in MTP_EXTRA})
+    return shapes
+
+
+def tie_mtp_copies(weights: dict[str, torch.Tensor], cfg: dict[str, Any]) -> None:
+    """Make every MTP layer's embedding and head copies equal the model's own (in place): the
+    trainer shares them (Megatron's MTP uses the main embedding and output layer), and vLLM
+    stores them once, in the target model."""
+    n, k = cfg["num_hidden_layers"], int(cfg.get("num_nextn_predict_layers") or 0)
+    for i in range(n, n + k):
+        weights[f"model.layers.{i}.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        weights[f"model.layers.{i}.shared_head.head.weight"] = weights["lm_head.weight"]
+
+
+def write_tiny_mla_model(
+    path: str | os.PathLike[str], seed: int = 0, *, mtp_layers: int = 0
+) -> Path:
+    """Write the receiver-only DeepSeek-V3 style checkpoint (module docstring) to `path`; with
+    `mtp_layers`, that many MTP layers too (``num_nextn_predict_layers``: vLLM's ``mtp``
+    speculative method drafts with them), their embedding and head tied (`tie_mtp_copies`)."""
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(MLA_CONFIG, indent=2, sort_keys=True) + "\n")
-    weights = random_weights(mla_shapes(MLA_CONFIG), seed)
+    cfg = {**MLA_CONFIG, "num_nextn_predict_layers": int(mtp_layers)}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    weights = random_weights({**mla_shapes(cfg), **mtp_shapes(cfg)}, seed)
+    tie_mtp_copies(weights, cfg)
+    weights = {n: t.clone() for n, t in weights.items()}  # safetensors refuses shared storage
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _build_tokenizer(MLA_CONFIG["vocab_size"]).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
@@ -759,3 +796,14 @@ def perturb_checkpoint(
         changed[name] = k
     save_checkpoint(tensors, dst, like=src)
     return changed
+
+
+def tie_mtp_checkpoint(path: str | os.PathLike[str]) -> None:
+    """`tie_mtp_copies` on the checkpoint at `path`, rewritten in place (after
+    `perturb_checkpoint`, which changes the copies independently)."""
+    from shared_codec.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    tensors = load_checkpoint(path)
+    tie_mtp_copies(tensors, cfg)
+    save_checkpoint({n: t.clone() for n, t in tensors.items()}, path)

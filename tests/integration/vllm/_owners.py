@@ -14,17 +14,26 @@ from shared_codec.transport.publish import publish_attempt
 
 class CheckpointOwners:
     """Test-only `Owners`: attempt a of version v publishes the delta v-1 -> v between two
-    canonical checkpoints (XOR, or overwrites on a retry) as one owner, then seals it."""
+    canonical checkpoints (XOR, or overwrites on a retry, and for the tensors in
+    `overwrite_only`: what the receivers' prewarm reports name) as one owner, then seals it."""
 
     def __init__(self, versions: list[Path], transport: dict[str, Any]) -> None:
         self.versions, self.transport = versions, transport
         self.builds: list[tuple[int, int, bool]] = []
+        self.overwrite_only: set[str] = set()
 
     def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
         self.builds.append((version, attempt, retry))
         old, new = (load_checkpoint(self.versions[v]) for v in (version - 1, version))
-        kind = Kind.OVERWRITE if retry else Kind.XOR
-        items = [diff_tensors(n, old[n], new[n], kind=kind) for n in sorted(new)]
+        items = [
+            diff_tensors(
+                n,
+                old[n],
+                new[n],
+                kind=Kind.OVERWRITE if retry or n in self.overwrite_only else Kind.XOR,
+            )
+            for n in sorted(new)
+        ]
         meta = PayloadMeta(
             version=version, base_version=version - 1, attempt=attempt, owner=0, sequence=0
         )
