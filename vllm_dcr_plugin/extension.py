@@ -14,7 +14,9 @@ unknown store kind, a dtype the codec does not carry, a negative version) is a
 
 RPCs (the protocol is docs/protocol.md): ``dcr_info``, ``dcr_prewarm``, ``dcr_stage``,
 ``dcr_fetch``, ``dcr_apply``, ``dcr_commit``, ``dcr_abort``, ``dcr_digest``, ``dcr_dense_load``,
-``dcr_verify_plan``, ``dcr_set_placement``, ``dcr_metrics``, ``dcr_status``.
+``dcr_verify_plan``, ``dcr_set_placement``, ``dcr_metrics``, ``dcr_status``, and for LoRA
+adapters (adapters.py) ``dcr_adapter_load``, ``dcr_adapter_fetch``, ``dcr_adapter_commit``,
+``dcr_adapter_abort``, ``dcr_adapter_status``.
 
 Limitations:
 1. An engine with a speculative draft model (MTP, EAGLE, a draft model) is refused at
@@ -38,12 +40,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from shared_codec.errors import DCRError, ProtocolError
-from vllm_dcr_plugin import cpu_compat, device, patches
+from vllm_dcr_plugin import adapters, cpu_compat, device, patches
 from vllm_dcr_plugin import worker as dcr_worker
 from vllm_dcr_plugin.arguments import apply_opts as _apply_opts
 from vllm_dcr_plugin.arguments import arguments as _arguments
 from vllm_dcr_plugin.arguments import boolean as _bool
 from vllm_dcr_plugin.arguments import checkpoint as _checkpoint
+from vllm_dcr_plugin.arguments import directory as _directory
 from vllm_dcr_plugin.arguments import integer as _int
 from vllm_dcr_plugin.arguments import json_object as _json
 from vllm_dcr_plugin.arguments import payloads as _payloads
@@ -155,6 +158,16 @@ def _expect(v: Any, attempt: int) -> SealedSet | None:
         )
     except ProtocolError as e:
         raise ProtocolError(f"expect.payload_ids: {e}") from None
+
+
+_ALIAS_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _alias(v: Any) -> str:
+    """An adapter alias: 1-128 characters of [A-Za-z0-9-_.] (it names directories)."""
+    if not isinstance(v, str) or not v or len(v) > 128 or not set(v) <= _ALIAS_CHARS:
+        raise ValueError(f"alias must be 1-128 characters of [A-Za-z0-9-_.], got {v!r:.60}")
+    return v
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -304,6 +317,54 @@ class DCRWorkerExtension:
         HTTP)."""
         m = self._dcr_receiver().metrics
         return {"rank": int(getattr(self, "rank", 0)), "text": m.text(), "port": m.server_port}
+
+    # -- LoRA adapters (adapters.py) -----------------------------------------------------------
+    @_rpc
+    def dcr_adapter_load(self, alias: str, path: str, version: int = 0) -> dict[str, Any]:
+        """Dense-load the PEFT adapter directory `path` as committed `version` of `alias` and
+        activate it (the engine core resolves requests naming `alias` to it once every rank
+        answered). Needs an engine started with LoRA enabled."""
+        with _arguments("dcr_adapter_load"):
+            name = _alias(alias)
+            checked = _directory(path, "path")
+            v = _int(version, "version")
+        return adapters.receiver_of(self).load(name, checked, v)
+
+    @_rpc
+    def dcr_adapter_fetch(
+        self, alias: str, store: str, version: int, attempt: int, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Fetch an attempt of `alias`'s next version from `store` (a JSON store or spool spec),
+        apply it to a copy of the committed adapter and add it to vLLM's LoRA manager as the
+        candidate; requests keep using the committed version until ``dcr_adapter_commit``."""
+        with _arguments("dcr_adapter_fetch"):
+            name = _alias(alias)
+            spec = _transport_spec(store, "store")
+            v, a = _int(version, "version"), _int(attempt, "attempt")
+            timeout = _seconds(timeout_s, "timeout_s")
+        return adapters.receiver_of(self).fetch(name, spec, v, a, timeout)
+
+    @_rpc
+    def dcr_adapter_commit(self, alias: str, version: int) -> dict[str, Any]:
+        """The candidate of `version` becomes `alias`'s committed, active version; versions
+        beyond ``DCR_ADAPTER_LIVE_VERSIONS`` (default 2) leave vLLM's LoRA manager."""
+        with _arguments("dcr_adapter_commit"):
+            name, v = _alias(alias), _int(version, "version")
+        return adapters.receiver_of(self).commit(name, v)
+
+    @_rpc
+    def dcr_adapter_abort(self, alias: str, attempt: int) -> dict[str, Any]:
+        """Fence `attempt` of `alias`; its candidate leaves vLLM's LoRA manager and the
+        committed version stays active."""
+        with _arguments("dcr_adapter_abort"):
+            name, a = _alias(alias), _int(attempt, "attempt")
+        return adapters.receiver_of(self).abort(name, a)
+
+    @_rpc
+    def dcr_adapter_status(self) -> dict[str, Any]:
+        """Every adapter alias on this rank (committed version, live versions, candidate) and
+        the digest of every adapter vLLM's LoRA manager holds (``loaded``, by lora id)."""
+        return {"rank": int(getattr(self, "rank", 0)), **adapters.receiver_of(self).status()}
 
     @_rpc
     def dcr_status(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared_codec.errors import CompatibilityError
-from vllm_dcr_plugin import cpu_compat, derived, prefix_salt, versions, worker
+from vllm_dcr_plugin import adapters, cpu_compat, derived, prefix_salt, versions, worker
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,14 @@ class Patch:
 
 
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"
+
+
+def _resolve_then_salt(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``EngineCore.preprocess_add_request``: resolve the request's adapter alias (adapters.py),
+    then salt its prefix-cache hashes (prefix_salt.py); one wrapper of `original`."""
+    wrapper = prefix_salt.salting_preprocess(adapters.resolving_preprocess(original))
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
 _EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
 
 PATCHES: tuple[Patch, ...] = (
@@ -121,8 +129,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="engine_core.preprocess_add_request",
         target="vllm.v1.engine.core:EngineCore.preprocess_add_request",
-        make=prefix_salt.salting_preprocess,
-        why="salt each new request's prefix-cache hashes with the weight version (prefix_salt.py)",
+        make=_resolve_then_salt,
+        why="resolve a request's adapter alias to its committed version (adapters.py), then salt "
+        "its prefix-cache hashes with the weight version (prefix_salt.py)",
     ),
     Patch(
         name="engine_core.add_request",

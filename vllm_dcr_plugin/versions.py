@@ -85,6 +85,10 @@ def stamping_collective_rpc(original: Callable[..., Any]) -> Callable[..., Any]:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = original(self, method, timeout, args, kwargs)
+        if isinstance(method, str) and method.startswith("dcr_adapter_") and isinstance(out, list):
+            from vllm_dcr_plugin import adapters
+
+            adapters.activate_from(method, out)  # the adapter an alias resolves to
         if isinstance(method, str) and method.startswith("dcr_") and isinstance(out, list):
             label = label_of(out)
             if label is not None and label != self.get_weight_version():

@@ -207,7 +207,66 @@ def _dense_load_cases(tmp: Path) -> list:
     ]
 
 
+def _adapter_dir(tmp: Path, seed: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
+    """A small PEFT LoRA directory (config + tensors) for the adapter RPCs."""
+    from vllm_dcr_plugin.adapters import write_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(2, 6, generator=g),
+        "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(6, 2, generator=g),
+    }
+    tensors = {n: t.to(torch.bfloat16) for n, t in tensors.items()}
+    (tmp / "adapters").mkdir(exist_ok=True)
+    path = write_adapter(tmp / "adapters" / f"a{seed}", {"peft_type": "LORA", "r": 2}, tensors)
+    return str(path), tensors
+
+
+def _adapter_cases(rpc: str) -> Cases:
+    alias_cases = [
+        ("alias with a slash", ("a/b",), "alias must be"),
+        ("alias not a string", (7,), "alias must be"),
+    ]
+
+    def cases(tmp: Path) -> list:
+        good, _ = _adapter_dir(tmp)
+        store = {"kind": "dir", "root": str(tmp / "store")}
+        rest = {
+            "dcr_adapter_load": (good, 0),
+            "dcr_adapter_fetch": (store, 1, 0),
+            "dcr_adapter_commit": (1,),
+            "dcr_adapter_abort": (0,),
+        }[rpc]
+        out = [(what, a + rest, {}, named) for what, a, named in alias_cases]
+        if rpc == "dcr_adapter_load":
+            out += [
+                ("missing path", ("a", str(tmp / "nope"), 0), {}, "path must name"),
+                ("negative version", ("a", good, -1), {}, "version must be >= 0"),
+            ]
+        elif rpc == "dcr_adapter_fetch":
+            out += [
+                ("bad store kind", ("a", {"kind": "ftp"}, 1, 0), {}, "store"),
+                ("negative attempt", ("a", store, 1, -1), {}, "attempt must be >= 0"),
+                ("zero timeout", ("a", store, 1, 0, 0), {}, "timeout_s must be > 0"),
+            ]
+        else:
+            out += [("float number", ("a", 1.5), {}, "must be an integer")]
+        return out
+
+    return cases
+
+
 BAD: dict[str, Cases] = {
+    **{
+        rpc: _adapter_cases(rpc)
+        for rpc in (
+            "dcr_adapter_load",
+            "dcr_adapter_fetch",
+            "dcr_adapter_commit",
+            "dcr_adapter_abort",
+        )
+    },
+    "dcr_adapter_status": lambda tmp: [("an argument", (1,), {}, "dcr_adapter_status takes ()")],
     "dcr_prewarm": lambda tmp: [
         ("bad dtype name", ([["t.weight", "bfloat17", [6, 4]]],), {}, "tensors[0]"),
         ("negative dimension", ([["t.weight", "bfloat16", [-6, 4]]],), {}, "tensors[0]"),
@@ -304,8 +363,35 @@ def _valid(rpc: str, ext: DCRWorkerExtension, v0: dict, v1: dict, tmp: Path) -> 
         rep = ext.dcr_verify_plan()
         assert rep["ok"] and rep["matches"], rep
         assert ext.dcr_digest()["digest"] == digest0
+    elif rpc.startswith("dcr_adapter_"):
+        _valid_adapter(ext, tmp)
     else:  # dcr_status; dcr_info needs vLLM's parallel state (the real-engine test calls it)
         assert ext.dcr_status()["state"] == "clean"
+
+
+def _valid_adapter(ext: DCRWorkerExtension, tmp: Path) -> None:
+    """The adapter RPCs on a FAKE LoRA manager (recording add_lora / remove_lora): a load, a
+    delta refit into a candidate, its commit; a fenced attempt leaves the committed version."""
+    from shared_codec.records import Kind, diff_tensors
+    from vllm_dcr_plugin.adapters import lora_id, read_adapter
+
+    added: list[int] = []
+    ext.add_lora = lambda request: added.append(request.lora_int_id) or True  # type: ignore[attr-defined]
+    ext.remove_lora = lambda ident: added.remove(ident) or True  # type: ignore[attr-defined]
+    path0, t0 = _adapter_dir(tmp, 0)
+    _, t1 = _adapter_dir(tmp, 1)
+    assert ext.dcr_adapter_load("a", path0, 0)["lora_id"] == lora_id("a", 0)
+    items = [diff_tensors(n, t0[n], t1[n], kind=Kind.XOR, owner=0) for n in t0]
+    spec = _publish(tmp / "adapter-store", _encode(items))
+    got = ext.dcr_adapter_fetch("a", spec, 1, 0, 10.0)
+    assert got["ok"] and not got["active"] and got["items"] == 2, got
+    assert added == [lora_id("a", 0), lora_id("a", 1)]
+    assert ext.dcr_adapter_status()["adapters"]["a"]["candidate"] == [1, 0]
+    done = ext.dcr_adapter_commit("a", 1)
+    assert done["ok"] and done["active"] and done["lora_name"] == "a@1", done
+    _, written = read_adapter(done["lora_path"])
+    assert all(torch.equal(written[n], t1[n]) for n in t1)  # bit-exact with the new version
+    assert ext.dcr_adapter_abort("a", 5)["version"] == 1  # nothing to drop; v1 stays
 
 
 @pytest.mark.parametrize("rpc", sorted(BAD))
