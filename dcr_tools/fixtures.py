@@ -807,3 +807,57 @@ def tie_mtp_checkpoint(path: str | os.PathLike[str]) -> None:
     tensors = load_checkpoint(path)
     tie_mtp_copies(tensors, cfg)
     save_checkpoint({n: t.clone() for n, t in tensors.items()}, path)
+
+
+def write_tiny_lora(
+    base: str | os.PathLike[str], path: str | os.PathLike[str], seed: int = 0, rank: int = 8
+) -> Path:
+    """Write a PEFT LoRA adapter for the tiny checkpoint `base` to directory `path`: rank
+    `rank` on every layer's ``q_proj`` and ``v_proj``, bf16, large enough (std 0.5) to change
+    greedy tokens. Deterministic given (base config, seed, rank)."""
+    from vllm_dcr_plugin.adapters import write_adapter
+
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    h, head = (
+        cfg["hidden_size"],
+        cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+    )
+    outs = {
+        "q_proj": cfg["num_attention_heads"] * head,
+        "v_proj": cfg["num_key_value_heads"] * head,
+    }
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for proj, out in outs.items():
+            p = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[p + ".lora_A.weight"] = (0.5 * torch.randn(rank, h, generator=g)).bfloat16()
+            tensors[p + ".lora_B.weight"] = (0.5 * torch.randn(out, rank, generator=g)).bfloat16()
+    config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": sorted(outs), "bias": "none", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+    }  # fmt: skip
+    out_dir = Path(path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return write_adapter(out_dir, config, tensors)
+
+
+def perturb_lora(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], seed: int, share: float = 0.05
+) -> Path:
+    """A new version of the PEFT adapter `src` at `dst`: the stored bits of `share` of each
+    tensor's elements change (low mantissa bits flipped), as `perturb_checkpoint` does."""
+    from shared_codec.dtypes import tensor_bits
+    from vllm_dcr_plugin.adapters import read_adapter, write_adapter
+
+    config, tensors = read_adapter(src)
+    for idx, name in enumerate(sorted(tensors)):
+        g = torch.Generator().manual_seed(seed * 7919 + idx)
+        t = tensors[name].clone()
+        bits = tensor_bits(t)
+        k = max(1, int(share * bits.shape[0]))
+        pick = torch.randperm(bits.shape[0], generator=g)[:k].numpy()
+        bits[pick] ^= torch.randint(1, 16, (k,), generator=g).numpy().astype(bits.dtype)
+        tensors[name] = t
+    return write_adapter(Path(dst), config, tensors)
