@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--adapters", required=True, help="JSON list of PEFT dirs v0..v3")
     ap.add_argument("--store", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     adapters = json.loads(args.adapters)
 
@@ -42,7 +43,9 @@ def main() -> None:
     from tests.integration.vllm._engine import start_llm
     from vllm_dcr_plugin.adapters import lora_id, read_adapter
 
-    llm = start_llm(args.base, 1, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=8)
+    llm = start_llm(
+        args.base, args.tp, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=8
+    )
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     store = {"kind": "dir", "root": args.store}
     report: dict[str, Any] = {"steps": {}}
@@ -53,8 +56,10 @@ def main() -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def rpc(method: str, *a: Any) -> dict[str, Any]:
-        (reply,) = llm.collective_rpc(method, args=a)
-        return reply
+        replies = llm.collective_rpc(method, args=a)
+        report.setdefault("ranks", {})[method] = len(replies)
+        assert len({json.dumps(r.get("version")) for r in replies}) == 1, replies
+        return replies[0]
 
     alias = LoRARequest(ALIAS, 1, adapters[0])  # id and path: the engine core resolves them
 

@@ -12,29 +12,37 @@ from pathlib import Path
 import pytest
 
 from dcr_tools.fixtures import perturb_lora, write_tiny_lora, write_tiny_model
-from dcr_tools.procs import PYTHON, REPO, base_env, run_program
+from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
 
 pytestmark = pytest.mark.vllm
 
 
-def test_adapter_versions_refit_by_delta_through_vllms_lora_manager(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "tp", [1, pytest.param(2, marks=pytest.mark.slow, id="tp2")], ids=lambda t: f"tp{t}"
+)
+def test_adapter_versions_refit_by_delta_through_vllms_lora_manager(
+    tmp_path: Path, tp: int
+) -> None:
     base = write_tiny_model("qwen3", tmp_path / "base", seed=0)
-    adapters = [write_tiny_lora(base, tmp_path / "lora" / "v0", seed=1)]
-    for v in range(1, 4):
+    # v1 another draw (every element changes: the tokens differ from v0's), v2 and v3 small
+    # changes of it (the low mantissa bits of 5% of the elements)
+    adapters = [write_tiny_lora(base, tmp_path / "lora" / f"v{v}", seed=v + 1) for v in (0, 1)]
+    for v in range(2, 4):
         adapters.append(perturb_lora(adapters[-1], tmp_path / "lora" / f"v{v}", seed=v))
     out = tmp_path / "report.json"
     run_program(
         [
             PYTHON, str(REPO / "tests/integration/vllm/adapter_program.py"),
             "--base", str(base), "--adapters", json.dumps([str(a) for a in adapters]),
-            "--store", str(tmp_path / "store"), "--out", str(out),
+            "--store", str(tmp_path / "store"), "--out", str(out), "--tp", str(tp),
         ],
         timeout=600,
-        env=base_env(),
+        env=base_env(**(TP2_ENV if tp > 1 else {})),
         log=tmp_path / "program.log",
     )  # fmt: skip
     r = json.loads(out.read_text())
     steps, ids = r["steps"], r["ids"]
+    assert set(r["ranks"].values()) == {tp}  # every rank answered every call alike
 
     def loaded(step: str, version: int) -> str:
         return steps[step]["status"]["loaded"][str(ids[str(version)])]
