@@ -177,7 +177,9 @@ class AdapterReceiver:
     def _add(self, alias: str, version: int, path: Path) -> None:
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(lora_name(alias, version), lora_id(alias, version), str(path))
+        # in place: a dense load of a version already held (a rejoin) replaces it
+        ident = lora_id(alias, version)
+        request = LoRARequest(lora_name(alias, version), ident, str(path), load_inplace=True)
         if not self.worker.add_lora(request):
             raise ProtocolError(f"vLLM's LoRA manager did not add {request.lora_name}")
 
@@ -203,8 +205,10 @@ class AdapterReceiver:
         """Dense load (module docstring): `path`'s adapter is committed `version`, active."""
         config, tensors = read_adapter(path)
         adapter = self.adapters.get(alias)
-        if adapter is not None and adapter.candidate is not None:
-            self._remove(alias, adapter.candidate[0], self.root / alias / f"v{version}")
+        if adapter is not None and adapter.candidate is not None:  # a dense load supersedes it
+            stale = adapter.candidate[0]
+            adapter.candidate = None
+            self._remove(alias, stale, self.root / alias / f"v{stale}")
         target = self.root / alias / f"v{int(version)}"
         target.parent.mkdir(parents=True, exist_ok=True)
         write_adapter(target, config, tensors)

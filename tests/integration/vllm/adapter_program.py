@@ -70,7 +70,9 @@ def main() -> None:
         entry["status"] = rpc("dcr_adapter_status")
         report["steps"][name] = entry
 
-    def publish(version: int, attempt: int, *, overwrite: bool, foreign: bool = False) -> None:
+    def publish(
+        version: int, attempt: int, *, overwrite: bool, foreign: bool = False, to: Any = None
+    ) -> None:
         _, old = read_adapter(adapters[version - 1])
         _, new = read_adapter(adapters[version])
         kind = Kind.OVERWRITE if overwrite else Kind.XOR
@@ -83,7 +85,7 @@ def main() -> None:
                            sequence=0)  # fmt: skip
         config = BucketConfig(bucket_bytes=4096, threads=0)
         payloads = encode_items([i for i in items if i.count], meta, config)
-        publish_attempt(store, version=version, attempt=attempt, base_version=version - 1,
+        publish_attempt(to or store, version=version, attempt=attempt, base_version=version - 1,
                         payloads={0: payloads})  # fmt: skip
 
     report["base"] = gen(None)
@@ -107,6 +109,60 @@ def main() -> None:
     report["commit3"] = rpc("dcr_adapter_commit", ALIAS, 3)
     step("v3", 3)
     report["ids"] = {str(v): lora_id(ALIAS, v) for v in range(4)}
+
+    # the coordinator drives a second alias through the adapter channel: attempts, the commit
+    # record, a failed attempt aborted and retried with overwrites
+    from shared_codec.coordination.adapter_channel import AdapterChannel
+    from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
+    from shared_codec.coordination.engines import InProcessChannel
+    from shared_codec.coordination.handle import EngineHandle
+    from shared_codec.transport.spec import open_store
+
+    class AdapterOwners:
+        """Test-only owners: the delta between two adapter versions; (2, 0) is foreign."""
+
+        def __init__(self) -> None:
+            self.builds: list[tuple[int, int, bool]] = []
+
+        def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
+            self.builds.append((version, attempt, retry))
+            publish(version, attempt, overwrite=retry, foreign=(version, attempt) == (2, 0),
+                    to=coord_store)  # fmt: skip
+            return {"baseline_id": f"adapter-v{version - 1}"}
+
+        def verify(self, version: int) -> None:
+            pass
+
+        def commit(self, version: int) -> None:
+            pass
+
+        def abort(self, version: int, attempt: int) -> None:
+            pass
+
+    coord_store = {"kind": "dir", "root": args.store + "-coordinated"}
+    second = "policy-b"
+    channel = AdapterChannel(InProcessChannel(llm, store=coord_store), second)
+    handle = EngineHandle(
+        "engine0", channel, tensors=[], checkpoint_for=lambda v: adapters[v], pipelined=False
+    )
+    handle.restore(0)
+    owners = AdapterOwners()
+    coordinator = Coordinator(
+        open_store(coord_store), owners, [handle], CoordinatorConfig(max_attempts=3),
+        transport=coord_store,
+    )  # fmt: skip
+    coordinator.initialize()
+    results = [coordinator.refit(), coordinator.refit()]
+    report["coordinated"] = {
+        "versions": [r.version for r in results],
+        "retries": [r.retries for r in results],
+        "builds": owners.builds,
+        "failed": [a.failed for r in results for a in r.attempts if not a.ok],
+        "digests": [r.record.digests.get("engine0") for r in results],
+        "status": rpc("dcr_adapter_status"),
+        "tokens": gen(LoRARequest(second, 1, adapters[0])),
+        "dense": report["steps"]["v2"]["dense"],
+    }
     report["list_loras"] = sorted(llm.llm_engine.list_loras())
     Path(args.out).write_text(json.dumps(report))
 

@@ -72,5 +72,14 @@ def test_adapter_versions_refit_by_delta_through_vllms_lora_manager(
     assert r["fetch2"]["ok"] and r["commit2"]["ok"], (r["fetch2"], r["commit2"])
     # two versions live (max_live_versions): v3 and v2; v0 and v1 left vLLM's LoRA manager
     assert steps["v3"]["status"]["adapters"]["policy"]["live"] == [2, 3]
+    # the coordinator through the adapter channel (alias policy-b): v1 clean; v2's attempt 0
+    # foreign, aborted, its overwrite retry committed; the record's digest is the engine's
+    c = r["coordinated"]
+    assert c["versions"] == [1, 2] and c["retries"] == [0, 1], c
+    assert c["builds"] == [[1, 0, False], [2, 0, False], [2, 1, True]], c["builds"]
+    assert "lm_head" in json.dumps(c["failed"]), c["failed"]
+    assert c["status"]["adapters"]["policy-b"]["version"] == 2
+    assert c["digests"][1] and c["digests"][0] != c["digests"][1]
+    assert c["tokens"] == c["dense"]  # policy-b at v2 runs vLLM's dense load of v2
     live = {ids["2"], ids["3"]}
     assert live <= set(r["list_loras"]) and not {ids["0"], ids["1"]} & set(r["list_loras"])
