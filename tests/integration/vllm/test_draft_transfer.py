@@ -23,10 +23,7 @@ import torch
 
 from dcr_tools import faults
 from dcr_tools.fixtures import perturb_checkpoint, tie_mtp_checkpoint, write_tiny_mla_model
-from dcr_tools.procs import ServeProcess, base_env, free_port
-from shared_codec.checkpoint import tensor_table
-from shared_codec.transport.spec import open_store
-from tests.integration.vllm._owners import CheckpointOwners
+from tests.integration.vllm._native import NativeServer, native_trainer
 from vllm_dcr_plugin.transfer import reports
 
 pytestmark = pytest.mark.vllm
@@ -59,42 +56,24 @@ def echo_draft(path: Path) -> Path:
     return path
 
 
-class Server:
-    """One ``vllm serve`` with an MTP draft and backend ``dcr``, shared by the module."""
+class Server(NativeServer):
+    """The module's engine: an MTP draft, backend ``dcr``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.versions = [echo_draft(write_tiny_mla_model(root / "v0", seed=0, mtp_layers=1))]
+        versions = [echo_draft(write_tiny_mla_model(root / "v0", seed=0, mtp_layers=1))]
         for v in range(1, VERSIONS):
-            perturb_checkpoint(self.versions[-1], root / f"v{v}", seed=v)
+            perturb_checkpoint(versions[-1], root / f"v{v}", seed=v)
             tie_mtp_checkpoint(root / f"v{v}")
-            self.versions.append(root / f"v{v}")
-        self.fault_plan = root / "faults.json"
-        self.proc = ServeProcess(
-            self.versions[0],
-            free_port(),
-            log=root / "serve.log",
-            env=base_env(**{faults.ENV: str(self.fault_plan)}),
-            extension=False,
-            extra_args=[
-                "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+            versions.append(root / f"v{v}")
+        super().__init__(
+            root,
+            versions,
+            [
                 "--speculative-config", json.dumps(SPECULATIVE),
                 "--attention-backend", "CPU_MLA", "--block-size", "16", "--max-model-len", "256",
                 "--no-enable-prefix-caching",  # acceptance is measured on fresh prefills
             ],
         )  # fmt: skip
-        self.url = self.proc.start(timeout_s=420)
-
-    def post(self, path: str, body: Any = None) -> Any:
-        r = requests.post(self.url + path, json=body, timeout=300)
-        r.raise_for_status()
-        return r.json()
-
-    def checksums(self) -> dict[str, str]:
-        return self.post("/weight_checker", {"action": "checksum"})["checksums"]
-
-    def weight_version(self) -> str:
-        return requests.get(self.url + "/weight_info", timeout=30).json()["weight_version"]
 
     def spec_counts(self) -> dict[str, float]:
         """vLLM's speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
@@ -127,36 +106,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         s.proc.stop()
 
 
-def trainer(server: Server, tmp: Path) -> Any:
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
-
-    store = {"kind": "dir", "root": str(tmp / "store")}
-    owners = CheckpointOwners(server.versions, store)
-    info = DCRTrainerInitInfo(
-        rank=0,
-        control=store,
-        transport=store,
-        owners=owners,  # type: ignore[arg-type]
-        tensors=tensor_table(server.versions[0]),
-        checkpoint_for=str(server.root / "v{version}"),
-        dense_load_at_init=True,
-        verify=True,
-    )
-    engine = WeightTransferTrainerFactory.trainer_init(
-        info, client=HTTPVLLMWeightSyncClient(server.url, timeout=600)
-    )
-    return engine, owners, open_store(store)
-
-
 def _report(control: Any, step: str) -> dict[str, Any]:
     return json.loads(control.get(reports.key("engine0", step, 0)))
 
 
 def test_mtp_draft_refit_in_the_same_transition(server: Server, tmp_path: Path):
-    engine, owners, control = trainer(server, tmp_path)
+    engine, owners, control = native_trainer(server, tmp_path, verify=True)
     native = engine.coordinator.engines[0]
     assert native.draft, "the init reports name the engine's draft"
     (init,) = native.load(0, None, native.tensors)  # the reports of a fresh init at v0

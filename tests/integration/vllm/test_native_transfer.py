@@ -22,12 +22,10 @@ import requests
 
 from dcr_tools import faults
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_model
-from dcr_tools.procs import ServeProcess, base_env, free_port
 from shared_codec.checkpoint import tensor_table
 from shared_codec.coordination.coordinator import Coordinator, CoordinatorConfig
 from shared_codec.errors import RefitFailed
-from shared_codec.transport.spec import open_store
-from tests.integration.vllm._owners import CheckpointOwners
+from tests.integration.vllm._native import NativeServer, native_trainer
 from vllm_dcr_plugin.transfer import reports
 
 pytestmark = pytest.mark.vllm
@@ -38,46 +36,28 @@ GATE_TOKENS = POSITIONS - 16  # the request-gate case's requests: as long as the
 LONG = 3000  # the async-RL request: long enough for a pause to land while it runs
 
 
-class Server:
-    """One ``vllm serve`` with backend ``dcr`` and no worker extension, shared by the module."""
+class Server(NativeServer):
+    """The module's engine: tiny Qwen3 v0..v7, one sequence at a time."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
         # 16384 positions: a long completion holds state in the engine for seconds (the async
         # RL test needs requests still running when the update or the pause arrives)
-        self.versions = [
+        versions = [
             write_tiny_model("qwen3", root / "v0", seed=0, max_position_embeddings=POSITIONS)
         ]
         for v in range(1, VERSIONS):
-            perturb_checkpoint(self.versions[-1], root / f"v{v}", seed=v)
-            self.versions.append(root / f"v{v}")
-        self.fault_plan = root / "faults.json"
-        self.proc = ServeProcess(
-            self.versions[0],
-            free_port(),
-            log=root / "serve.log",
-            env=base_env(**{faults.ENV: str(self.fault_plan)}),
-            extension=False,
-            extra_args=[
-                "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+            perturb_checkpoint(versions[-1], root / f"v{v}", seed=v)
+            versions.append(root / f"v{v}")
+        super().__init__(
+            root,
+            versions,
+            [
                 "--enable-scale-out", "--max-model-len", str(POSITIONS),
                 # one sequence at a time: requests queue behind the running one, so the engine
                 # holds request state for as long as the queue lasts (the gate case below)
                 "--max-num-seqs", "1",
             ],
         )  # fmt: skip
-        self.url = self.proc.start(timeout_s=420)
-
-    def post(self, path: str, body: Any = None, **params: Any) -> Any:
-        r = requests.post(self.url + path, json=body, params=params, timeout=300)
-        r.raise_for_status()
-        return r.json()
-
-    def checksums(self) -> dict[str, str]:
-        return self.post("/weight_checker", {"action": "checksum"})["checksums"]
-
-    def weight_version(self) -> str:
-        return requests.get(self.url + "/weight_info", timeout=30).json()["weight_version"]
 
 
 @pytest.fixture(scope="module")
@@ -91,27 +71,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 def trainer(server: Server, tmp: Path, **config: Any) -> Any:
     """vLLM's trainer API with DCR's init info: what an orchestrator writes."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    from vllm_dcr_plugin.transfer.trainer_engine import DCRTrainerInitInfo
-
-    store = {"kind": "dir", "root": str(tmp / "store")}
-    owners = CheckpointOwners(server.versions, store)
-    info = DCRTrainerInitInfo(
-        rank=0,
-        control=store,
-        transport=store,
-        owners=owners,  # type: ignore[arg-type]
-        tensors=tensor_table(server.versions[0]),
-        checkpoint_for=str(server.root / "v{version}"),
-        dense_load_at_init=True,  # the module's engine may hold any version: start from v0
-        **config,
-    )
-    engine = WeightTransferTrainerFactory.trainer_init(
-        info, client=HTTPVLLMWeightSyncClient(server.url, timeout=600)
-    )
-    return engine, owners, open_store(store)
+    return native_trainer(server, tmp, **config)
 
 
 def dense_checksums(server: Server, engine: Any, version: int) -> dict[str, str]:
