@@ -66,6 +66,7 @@ class Patch:
 
 
 _WORKER = "vllm.v1.worker.gpu_worker:Worker"
+_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
 
 
 def _resolve_then_salt(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,7 +75,7 @@ def _resolve_then_salt(original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper = prefix_salt.salting_preprocess(adapters.resolving_preprocess(original))
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
-_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
+
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
