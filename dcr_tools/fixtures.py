@@ -815,7 +815,7 @@ def write_tiny_lora(
     """Write a PEFT LoRA adapter for the tiny checkpoint `base` to directory `path`: rank
     `rank` on every layer's ``q_proj`` and ``v_proj``, bf16, large enough (std 0.5) to change
     greedy tokens. Deterministic given (base config, seed, rank)."""
-    from vllm_dcr_plugin.adapters import write_adapter
+    from shared_codec.peft import write_adapter
 
     cfg = json.loads((Path(base) / "config.json").read_text())
     h, head = (
@@ -849,7 +849,7 @@ def perturb_lora(
     """A new version of the PEFT adapter `src` at `dst`: the stored bits of `share` of each
     tensor's elements change (low mantissa bits flipped), as `perturb_checkpoint` does."""
     from shared_codec.dtypes import tensor_bits
-    from vllm_dcr_plugin.adapters import read_adapter, write_adapter
+    from shared_codec.peft import read_adapter, write_adapter
 
     config, tensors = read_adapter(src)
     for idx, name in enumerate(sorted(tensors)):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
@@ -55,6 +54,7 @@ from shared_codec.checkpoint import combined_digest, tensor_digest
 from shared_codec.decode import decode_payload
 from shared_codec.dtypes import dtype_of
 from shared_codec.errors import ProtocolError
+from shared_codec.peft import read_adapter, write_adapter
 from shared_codec.records import apply_items
 from vllm_dcr_plugin.sources import FetchSteps, fetch_attempt, payload_source
 from vllm_dcr_plugin.staging import StagingArea, tensor_specs
@@ -63,8 +63,6 @@ log = logging.getLogger(__name__)
 
 ENV_DIR = "DCR_ADAPTER_DIR"
 ENV_LIVE = "DCR_ADAPTER_LIVE_VERSIONS"
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
 
 
 def lora_id(alias: str, version: int) -> int:
@@ -74,32 +72,6 @@ def lora_id(alias: str, version: int) -> int:
 
 def lora_name(alias: str, version: int) -> str:
     return f"{alias}@{int(version)}"
-
-
-def read_adapter(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A PEFT adapter directory's config and tensors. `ProtocolError` when it is not one."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    if not (root / CONFIG).is_file() or not (root / WEIGHTS).is_file():
-        raise ProtocolError(f"adapter path {path}: expected a PEFT directory ({CONFIG}, {WEIGHTS})")
-    config = json.loads((root / CONFIG).read_text())
-    if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
-        raise ProtocolError(f"adapter path {path}: {CONFIG} is not a LoRA adapter config")
-    return config, {n: t.contiguous() for n, t in load_file(str(root / WEIGHTS)).items()}
-
-
-def write_adapter(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
-    """Write a PEFT adapter directory (atomically: a temporary directory renamed into place)."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(config, sort_keys=True))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

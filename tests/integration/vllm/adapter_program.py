@@ -38,10 +38,11 @@ def main() -> None:
 
     from shared_codec.buckets import BucketConfig, encode_items
     from shared_codec.format import PayloadMeta
+    from shared_codec.peft import read_adapter
     from shared_codec.records import Kind, diff_tensors, make_item
     from shared_codec.transport.publish import publish_attempt
     from tests.integration.vllm._engine import start_llm
-    from vllm_dcr_plugin.adapters import lora_id, read_adapter
+    from vllm_dcr_plugin.adapters import lora_id
 
     llm = start_llm(
         args.base, args.tp, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=8

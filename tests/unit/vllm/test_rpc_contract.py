@@ -209,7 +209,7 @@ def _dense_load_cases(tmp: Path) -> list:
 
 def _adapter_dir(tmp: Path, seed: int = 0) -> tuple[str, dict[str, torch.Tensor]]:
     """A small PEFT LoRA directory (config + tensors) for the adapter RPCs."""
-    from vllm_dcr_plugin.adapters import write_adapter
+    from shared_codec.peft import write_adapter
 
     g = torch.Generator().manual_seed(seed)
     tensors = {
@@ -372,8 +372,9 @@ def _valid(rpc: str, ext: DCRWorkerExtension, v0: dict, v1: dict, tmp: Path) -> 
 def _valid_adapter(ext: DCRWorkerExtension, tmp: Path) -> None:
     """The adapter RPCs on a FAKE LoRA manager (recording add_lora / remove_lora): a load, a
     delta refit into a candidate, its commit; a fenced attempt leaves the committed version."""
+    from shared_codec.peft import read_adapter
     from shared_codec.records import Kind, diff_tensors
-    from vllm_dcr_plugin.adapters import lora_id, read_adapter
+    from vllm_dcr_plugin.adapters import lora_id
 
     added: list[int] = []
     ext.add_lora = lambda request: added.append(request.lora_int_id) or True  # type: ignore[attr-defined]
