@@ -1,10 +1,11 @@
 """Adapter-only refits from a Megatron-Bridge LoRA model (issue 34 item 4): 2 real megatron-core
 ranks (TP=2, gloo) train megatron-bridge's LoRA adapters on the tiny Llama; after each step the
 named-tensor owner publishes the adapter's delta in PEFT coordinates (rank program:
-worker_lora.py). The receiver side is DCR's own `AdapterReceiver` over a FAKE LoRA manager
-(labelled: it records ``add_lora`` / ``remove_lora``; a real vLLM LoRA engine loading such
-versions is tests/integration/vllm/test_adapters.py): every version it builds from the payloads
-equals, bit for bit, the trainer's adapter of that version."""
+worker_lora.py). Receivers: DCR's own `AdapterReceiver` over a FAKE LoRA manager (labelled: it
+records ``add_lora`` / ``remove_lora``), then the same payloads into a real vLLM engine with
+LoRA enabled (tests/integration/vllm/adapter_program.py ``--published``): every version built
+from the payloads equals, bit for bit, the trainer's adapter of that version, and vLLM's dense
+load of it (its LoRA manager's weights and the greedy tokens)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcr_tools.procs import run_torchrun
+from dcr_tools.procs import PYTHON, REPO, base_env, run_program, run_torchrun
 from shared_codec.peft import read_adapter
 
 WORKER = Path(__file__).with_name("worker_lora.py")
@@ -39,6 +40,7 @@ class FakeLoRAWorker:
 
 
 @pytest.mark.megatron
+@pytest.mark.vllm
 def test_megatron_bridge_lora_adapter_refits_are_bit_exact(tiny_models, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
     store = {"kind": "dir", "root": str(tmp_path / "store")}
@@ -83,3 +85,26 @@ def test_megatron_bridge_lora_adapter_refits_are_bit_exact(tiny_models, tmp_path
         previous = trainer
     assert receiver.adapters["policy"].version == STEPS
     assert sorted(receiver.adapters["policy"].live) == [STEPS - 1, STEPS]
+
+    # the same payloads into a real vLLM engine with LoRA enabled (its base: the tiny Llama the
+    # trainer's config describes): every version, loaded by vLLM's LoRA manager from DCR's
+    # candidate, equals vLLM's dense load of the trainer's adapter, bit for bit and in tokens
+    served = tmp_path / "served.json"
+    run_program(
+        [
+            PYTHON, str(REPO / "tests/integration/vllm/adapter_program.py"),
+            "--base", str(tiny_models["llama"]), "--store", store["root"], "--out", str(served),
+            "--adapters", json.dumps([str(out / f"v{v}") for v in range(STEPS + 1)]),
+            "--published",
+        ],
+        timeout=600,
+        env=base_env(),
+        log=tmp_path / "engine.log",
+    )  # fmt: skip
+    e = json.loads(served.read_text())
+    for v in range(STEPS + 1):
+        s = e["steps"][f"v{v}"]
+        digest = s["status"]["loaded"][str(e["ids"][str(v)])]
+        assert isinstance(digest, str) and digest == s["status"]["loaded"][str(1000 + v)], v
+        assert s["alias"] == s["dense"], v
+    assert e["steps"]["v0"]["alias"] != e["base"]

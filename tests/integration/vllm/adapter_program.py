@@ -1,7 +1,9 @@
 """LoRA adapters refit by DCR on one real vLLM engine with LoRA enabled (run as a program; writes a
 JSON report for tests/integration/vllm/test_adapters.py).
 
-The engine serves the tiny base model; adapter alias ``policy`` is dense-loaded at v0 through
+With ``--published`` the attempts come from a trainer's owner (test_lora_owner.py): v0 is loaded,
+each later version fetched and committed, and compared with the dense load. Otherwise the
+engine serves the tiny base model; adapter alias ``policy`` is dense-loaded at v0 through
 ``dcr_adapter_load`` and moved v0 -> v1 -> v2 -> v3 by delta attempts (``dcr_adapter_fetch``
 into a candidate, ``dcr_adapter_commit``). Version 2's first attempt is foreign (a payload
 naming a tensor the adapter does not have): its fetch fails, it is aborted, and its overwrite
@@ -29,6 +31,12 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument(
+        "--published",
+        action="store_true",
+        help="the store already holds attempt 0 of every version (a trainer's owner published "
+        "them): load v0, then fetch and commit each version, nothing else",
+    )
     args = ap.parse_args()
     adapters = json.loads(args.adapters)
 
@@ -92,6 +100,14 @@ def main() -> None:
     report["base"] = gen(None)
     report["load"] = rpc("dcr_adapter_load", ALIAS, adapters[0], 0)
     step("v0", 0)
+    if args.published:
+        for v in range(1, len(adapters)):
+            report[f"fetch{v}"] = rpc("dcr_adapter_fetch", ALIAS, store, v, 0, 60.0)
+            report[f"commit{v}"] = rpc("dcr_adapter_commit", ALIAS, v)
+            step(f"v{v}", v)
+        report["ids"] = {str(v): lora_id(ALIAS, v) for v in range(len(adapters))}
+        Path(args.out).write_text(json.dumps(report))
+        return
     publish(1, 0, overwrite=False)
     report["fetch1"] = rpc("dcr_adapter_fetch", ALIAS, store, 1, 0, 60.0)
     step("candidate1", None)  # fetched, not committed: requests still run v0
