@@ -135,6 +135,12 @@ class NativeChannel:
         got = self._collect(step)
         self._raise_failed("init", got)
         self.draft = any("draft" in r.extra for r in got)
+        if self.draft and not draft_sessions(self.client):
+            raise DCRError(
+                f"engine {self.name} runs a speculative draft, and its client "
+                f"{type(self.client).__name__} cannot start a draft weight-update session (no "
+                "start_draft_weight_update, base_url or Ray handles)"
+            )
         self.last_digest = self._combined(got)
         self._finish(str(version))
         return got
@@ -210,6 +216,15 @@ class NativeChannel:
         assert self.launcher is not None
         self.client = self.launcher(self.name)
         self.session_open = False
+
+
+def draft_sessions(client: Any) -> bool:
+    """Whether `start_draft_session` can start a draft session through `client`."""
+    return (
+        callable(getattr(client, "start_draft_weight_update", None))
+        or isinstance(getattr(client, "base_url", None), str)
+        or isinstance(getattr(client, "handles", None), list)
+    )
 
 
 def start_draft_session(client: Any) -> None:

@@ -170,3 +170,26 @@ def test_xor_delta_reaches_shared_storage_once(
     _in_draft_session(engine, engine.finish_weight_update)
     assert _report(tmp_path, reports.finish_step(1, 0))["committed"]
     assert _holds(engine, 1)
+
+
+def test_draft_sessions_through_vllms_clients_or_refused() -> None:
+    """vLLM 0.32's trainer clients have no ``start_draft_weight_update``: the channel uses the
+    HTTP client's ``base_url`` or the Ray client's ``handles`` (vLLM's own classes here), a
+    client's own method where it has one, and refuses any other client by name."""
+    from vllm.distributed.weight_transfer.clients import (
+        HTTPVLLMWeightSyncClient,
+        RayVLLMWeightSyncClient,
+    )
+
+    from shared_codec.errors import DCRError
+    from vllm_dcr_plugin.transfer.native import draft_sessions, start_draft_session
+
+    calls: list[str] = []
+    own = SimpleNamespace(start_draft_weight_update=lambda: calls.append("own"))
+    assert draft_sessions(HTTPVLLMWeightSyncClient("http://127.0.0.1:1"))
+    assert draft_sessions(RayVLLMWeightSyncClient([]))
+    assert draft_sessions(own) and not draft_sessions(object())
+    start_draft_session(own)
+    assert calls == ["own"]
+    with pytest.raises(DCRError, match="object cannot start a draft weight-update session"):
+        start_draft_session(object())
