@@ -134,27 +134,16 @@ def main() -> None:
     from shared_codec.coordination.engines import InProcessChannel
     from shared_codec.coordination.handle import EngineHandle
     from shared_codec.transport.spec import open_store
+    from tests.integration.vllm._owners import CheckpointOwners
 
-    class AdapterOwners:
+    class AdapterOwners(CheckpointOwners):
         """Test-only owners: the delta between two adapter versions; (2, 0) is foreign."""
-
-        def __init__(self) -> None:
-            self.builds: list[tuple[int, int, bool]] = []
 
         def build(self, version: int, attempt: int, retry: bool) -> dict[str, Any]:
             self.builds.append((version, attempt, retry))
             publish(version, attempt, overwrite=retry, foreign=(version, attempt) == (2, 0),
                     to=coord_store)  # fmt: skip
             return {"baseline_id": f"adapter-v{version - 1}"}
-
-        def verify(self, version: int) -> None:
-            pass
-
-        def commit(self, version: int) -> None:
-            pass
-
-        def abort(self, version: int, attempt: int) -> None:
-            pass
 
     coord_store = {"kind": "dir", "root": args.store + "-coordinated"}
     second = "policy-b"
@@ -163,7 +152,7 @@ def main() -> None:
         "engine0", channel, tensors=[], checkpoint_for=lambda v: adapters[v], pipelined=False
     )
     handle.restore(0)
-    owners = AdapterOwners()
+    owners = AdapterOwners([Path(a) for a in adapters], coord_store)
     coordinator = Coordinator(
         open_store(coord_store), owners, [handle], CoordinatorConfig(max_attempts=3),
         transport=coord_store,
