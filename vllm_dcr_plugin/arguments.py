@@ -114,6 +114,17 @@ def payloads(v: Any) -> list[bytes]:
     return list(v)
 
 
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def name(v: Any, what: str) -> str:
+    """A name that may become a path component or a store key (an engine, a session, an
+    adapter alias): 1-128 characters of [A-Za-z0-9-_.]."""
+    if not isinstance(v, str) or not v or len(v) > 128 or not set(v) <= _NAME_CHARS:
+        raise ValueError(f"{what} must be 1-128 characters of [A-Za-z0-9-_.], got {v!r:.60}")
+    return v
+
+
 def directory(v: Any, what: str) -> str:
     if not isinstance(v, str) or not os.path.isdir(v):
         raise ValueError(f"{what} must name an existing directory, got {v!r:.200}")

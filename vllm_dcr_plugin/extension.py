@@ -49,6 +49,7 @@ from vllm_dcr_plugin.arguments import checkpoint as _checkpoint
 from vllm_dcr_plugin.arguments import directory as _directory
 from vllm_dcr_plugin.arguments import integer as _int
 from vllm_dcr_plugin.arguments import json_object as _json
+from vllm_dcr_plugin.arguments import name as _name
 from vllm_dcr_plugin.arguments import payloads as _payloads
 from vllm_dcr_plugin.arguments import seconds as _seconds
 from vllm_dcr_plugin.arguments import transport_spec as _transport_spec
@@ -158,16 +159,6 @@ def _expect(v: Any, attempt: int) -> SealedSet | None:
         )
     except ProtocolError as e:
         raise ProtocolError(f"expect.payload_ids: {e}") from None
-
-
-_ALIAS_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-
-
-def _alias(v: Any) -> str:
-    """An adapter alias: 1-128 characters of [A-Za-z0-9-_.] (it names directories)."""
-    if not isinstance(v, str) or not v or len(v) > 128 or not set(v) <= _ALIAS_CHARS:
-        raise ValueError(f"alias must be 1-128 characters of [A-Za-z0-9-_.], got {v!r:.60}")
-    return v
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -325,7 +316,7 @@ class DCRWorkerExtension:
         activate it (the engine core resolves requests naming `alias` to it once every rank
         answered). Needs an engine started with LoRA enabled."""
         with _arguments("dcr_adapter_load"):
-            name = _alias(alias)
+            name = _name(alias, "alias")
             checked = _directory(path, "path")
             v = _int(version, "version")
         return adapters.receiver_of(self).load(name, checked, v)
@@ -338,7 +329,7 @@ class DCRWorkerExtension:
         apply it to a copy of the committed adapter and add it to vLLM's LoRA manager as the
         candidate; requests keep using the committed version until ``dcr_adapter_commit``."""
         with _arguments("dcr_adapter_fetch"):
-            name = _alias(alias)
+            name = _name(alias, "alias")
             spec = _transport_spec(store, "store")
             v, a = _int(version, "version"), _int(attempt, "attempt")
             timeout = _seconds(timeout_s, "timeout_s")
@@ -349,7 +340,7 @@ class DCRWorkerExtension:
         """The candidate of `version` becomes `alias`'s committed, active version; versions
         beyond ``DCR_ADAPTER_LIVE_VERSIONS`` (default 2) leave vLLM's LoRA manager."""
         with _arguments("dcr_adapter_commit"):
-            name, v = _alias(alias), _int(version, "version")
+            name, v = _name(alias, "alias"), _int(version, "version")
         return adapters.receiver_of(self).commit(name, v)
 
     @_rpc
@@ -357,7 +348,7 @@ class DCRWorkerExtension:
         """Fence `attempt` of `alias`; its candidate leaves vLLM's LoRA manager and the
         committed version stays active."""
         with _arguments("dcr_adapter_abort"):
-            name, a = _alias(alias), _int(attempt, "attempt")
+            name, a = _name(alias, "alias"), _int(attempt, "attempt")
         return adapters.receiver_of(self).abort(name, a)
 
     @_rpc

@@ -73,10 +73,10 @@ from shared_codec.coordination.owners import RemoteOwners
 from shared_codec.transport.base import ObjectStore
 from shared_codec.transport.spec import Role, TransportSpec
 from vllm_dcr_plugin.arguments import arguments, integer, seconds
+from vllm_dcr_plugin.arguments import name as _name
 from vllm_dcr_plugin.staging import tensor_specs
 from vllm_dcr_plugin.transfer import register_backends
 from vllm_dcr_plugin.transfer.native import NativeEngine
-from vllm_dcr_plugin.transfer.worker_engine import _name
 
 log = logging.getLogger("dcr.trainer")
 
