@@ -3,7 +3,8 @@
 Works on any ``torch.nn.Module`` with a vLLM-style ``load_weights(iterable of (name, tensor))``;
 `DCRWorkerExtension` holds one per vLLM worker and validates RPC arguments before calling it.
 Who does what: the settings config.py (`ReceiverConfig`, from the worker's environment), states
-and their transitions state.py, the prewarm probe capability.py, placement (mode and plan)
+and their transitions state.py, the prewarm probe capability.py, each tensor's class and what
+its writes feed prewarm.py, placement (mode and plan)
 placement.py, derived tensors derived.py, validation and dedupe staging.py, payload sources and
 the fetch loop sources.py, the in-place application apply.py, waiting for the device's writes
 before any ACK device.py, the ACK ack.py, the optional observer observer.py. Every payload must
@@ -32,10 +33,10 @@ from shared_codec.dtypes import dtype_of
 from shared_codec.errors import LoaderConditionError, PayloadError, ProtocolError
 from shared_codec.kernels import warm_up
 from shared_codec.records import Kind
-from vllm_dcr_plugin import derived, device, quantized
+from vllm_dcr_plugin import derived, device, prewarm, quantized
 from vllm_dcr_plugin.ack import Tally
 from vllm_dcr_plugin.apply import ItemCounter, PlanChecks, apply_staged
-from vllm_dcr_plugin.capability import numel, probe
+from vllm_dcr_plugin.capability import Capabilities, numel, probe
 from vllm_dcr_plugin.config import ReceiverConfig
 from vllm_dcr_plugin.intercept import named_storages
 from vllm_dcr_plugin.metrics import ReceiverMetrics, process_memory
@@ -47,9 +48,10 @@ from vllm_dcr_plugin.placement import (
     PlacementPlan,
     current_tensors,
 )
+from vllm_dcr_plugin.prewarm import Prewarmed
 from vllm_dcr_plugin.sources import FetchSteps, fetch_attempt, payload_source
 from vllm_dcr_plugin.staging import SealedSet, StagingArea, TensorSpec, tensor_specs
-from vllm_dcr_plugin.state import Event, ReceiverState, advance, check_apply
+from vllm_dcr_plugin.state import Event, ReceiverState, advance, check_apply, check_next
 
 _S = ReceiverState
 log = logging.getLogger(__name__)
@@ -87,14 +89,11 @@ class Receiver:
         self.rank = rank
         self.role = role
         self.shared_with = shared_with
-        self.shared: set[str] = set()  # skipped: the target receiver writes them
         self.gate = gate or (lambda: None)
         self.loader_condition = loader_condition or (lambda: None)
         self.observer = observer if observer is not None else load_observer(config.observer)
         self.tensors: dict[str, TensorSpec] = {}
-        self.skipped: set[str] = set()
-        self.overwrite_only: dict[str, str] = {}
-        self.unsupported: dict[str, str] = {}
+        self.found = Prewarmed()  # each tensor's class, what its writes feed (prewarm.py)
         self.scratch: torch.Tensor | None = None
         self.staging = StagingArea(key=config.payload_key)
         self.committed_version = 0
@@ -106,10 +105,6 @@ class Receiver:
         self.metrics = ReceiverMetrics(
             self._rank, port=config.metrics_port, addr=config.metrics_addr
         )
-        # what prewarm found to re-derive after each apply, and what it refused (derived.py)
-        self.derived = derived.DerivedPlan()
-        self.quantized: dict[str, frozenset[str]] = {}  # canonical -> quantized layers
-        self.refused: dict[str, str] = {}  # canonical -> why it cannot be re-derived
 
     @property
     def placement(self) -> PlacementMode:
@@ -138,11 +133,11 @@ class Receiver:
         with quantized.checkpoint_format(self.model), disable_mtp_completeness_check():
             yield
 
-    def _shared(self) -> frozenset[int]:
-        """Storage keys of the model this one shares storage with (none for the base)."""
-        if self.shared_with is None:
-            return frozenset()
-        return frozenset(named_storages(self.shared_with))
+    def _probe(self, specs: dict[str, TensorSpec], scratch: torch.Tensor) -> Capabilities:
+        """The loader's trace of `specs` (capability.probe; every write suppressed). Storage of
+        the model this one shares storage with (a draft's target) is another receiver's."""
+        shared = () if self.shared_with is None else named_storages(self.shared_with)
+        return probe(self.model, specs, scratch, self.loader_condition(), frozenset(shared))
 
     def prewarm(self, tensors: list, committed_version: int = 0) -> dict[str, Any]:
         """Register canonical tensors, reserve scratch, and trace the loader once per tensor
@@ -159,20 +154,14 @@ class Receiver:
             ) from None
         # compile the scatter kernels now, not inside the first timed apply
         warm_up(tuple(dtype_of(s.dtype).itemsize for s in specs.values()))
-        with self._partial_loads():
-            caps = probe(self.model, specs, scratch, self.loader_condition(), self._shared())
-        quantized.check_recipe(self.model, {n: s.dtype for n, s in specs.items()}, caps.writes)
+
+        def trace() -> Capabilities:
+            with self._partial_loads():
+                return self._probe(specs, scratch)
+
+        self.found, caps = prewarm.find(self.model, specs, trace)
         self.scratch, self.tensors = scratch, specs
-        self.skipped, self.shared = set(caps.skipped), set(caps.shared)
-        self.overwrite_only, self.unsupported = caps.overwrite_only, caps.unsupported
         self.placing.plan = caps.plan
-        self.derived = derived.plan_rederive(self.model, caps.writes)
-        self.quantized = quantized.written_layers(self.model, caps.writes)
-        refused = {**self.derived.refused, **quantized.refused_tensors(self.model, self.quantized)}
-        self.refused = refused
-        for name, why in refused.items():
-            self.unsupported[name] = why
-            self.overwrite_only.pop(name, None)
         self.committed_version = int(committed_version)
         self.state = after
         self.staging.new_transition()
@@ -180,14 +169,11 @@ class Receiver:
             "format_version": FORMAT_VERSION,
             **self.rank,
             "tensors": len(specs),
-            "skipped": sorted(self.skipped),
-            **({"role": self.role, "shared": sorted(self.shared)} if self.role != "base" else {}),
-            "overwrite_only": dict(sorted(self.overwrite_only.items())),
-            "unsupported": dict(sorted(self.unsupported.items())),
+            **self.found.report(self.role),
             "scratch_bytes": int(scratch.numel()),
             "committed_version": self.committed_version,
             **self.placing.report(),
-            "derived": dict(self.derived.report),
+            "derived": dict(self.found.derived.report),
             "quantized": quantized.report(self.model),
         }
 
@@ -213,19 +199,11 @@ class Receiver:
         old = self.placing.plan or PlacementPlan()
         with self._partial_loads():
             stale = old.stale(current_tensors(self.model, old.params))
-            caps = probe(self.model, self.tensors, scratch, self.loader_condition(), self._shared())
+            caps = self._probe(self.tensors, scratch)
         diff = old.differences(caps.plan)
-        refused = self.refused  # refusals of derived tensors and quantized layers stand
-        unsupported = {**caps.unsupported, **refused}
-        overwrite_only = {n: w for n, w in caps.overwrite_only.items() if n not in refused}
-        classes_changed = (
-            set(caps.skipped) != self.skipped
-            or overwrite_only != self.overwrite_only
-            or unsupported != self.unsupported
-        )
-        self.placing.plan = caps.plan
-        self.skipped, self.shared = set(caps.skipped), set(caps.shared)
-        self.overwrite_only, self.unsupported = overwrite_only, unsupported
+        found = self.found.retraced(caps)  # refusals of derived tensors and quantized layers stand
+        classes_changed = not found.same_classes(self.found)
+        self.placing.plan, self.found = caps.plan, found
         if diff:
             self.metrics.plan_mismatches.inc(len(diff))
             log.warning(
@@ -258,8 +236,8 @@ class Receiver:
             list(payloads),
             committed_version=self.committed_version,
             tensors=self.tensors,
-            no_xor=set(self.tensors) if overwrite_only else set(self.overwrite_only),
-            unsupported=set(self.unsupported),
+            no_xor=set(self.tensors) if overwrite_only else set(self.found.overwrite_only),
+            unsupported=set(self.found.unsupported),
         )
         res["rank"] = self.rank.get("rank", 0)
         self.metrics.staged(res, sum(len(p) for p in payloads))
@@ -412,8 +390,8 @@ class Receiver:
                     tally,
                     scratch=scratch,
                     staging=self.staging,
-                    skipped=self.skipped,
-                    masked=set(self.overwrite_only),
+                    skipped=set(self.found.skipped),
+                    masked=set(self.found.overwrite_only),
                     verify=verify,
                     counter=ItemCounter(watch),
                     plan=self.placing.replayed(),
@@ -423,11 +401,11 @@ class Receiver:
             self.metrics.placed(tally)
             if tally.touched or self.state == _S.APPLYING:
                 self._failed(target)
-                self._rederive(touched)
+                self.found.rederive(self.model, touched)
             late = device.settle(self.model)  # a failed ACK too follows the writes made
             then = "" if late is None else f"; then the device reported: {late}"
             return tally.ack(ok=False, error=f"{type(e).__name__}: {e}{then}")
-        self._rederive(touched)
+        self.found.rederive(self.model, touched)
         late = device.settle(self.model)
         tally.total_s = time.perf_counter() - t_start
         self.metrics.placed(tally)
@@ -445,14 +423,6 @@ class Receiver:
             self.applying_attempt = None if final else attempt
             self.target_version = target or self.target_version
         return tally.ack(ok=True)
-
-    def _rederive(self, touched: set[str] | None) -> None:
-        """Re-run vLLM's post-load steps that the written tensors feed (None: all of them)."""
-        derived.rederive_touched(self.model, self.derived, touched)
-        layers = None if touched is None else {
-            p for n in touched for p in self.quantized.get(n, ())
-        }  # fmt: skip
-        quantized.rederive(self.model, layers)
 
     def _failed(self, target: int | None) -> None:
         self.state = advance(self.state, Event.FAILED)
@@ -510,7 +480,7 @@ class Receiver:
                 f"is dirty at committed version {self.committed_version}: dense-load a good "
                 "checkpoint or retry with overwrites"
             ) from None
-        self._rederive(None)
+        self.found.rederive(self.model, None)
         late = device.settle(self.model)
         if late is not None:
             self.state = advance(self.state, Event.FAILED)
@@ -533,20 +503,8 @@ class Receiver:
 
     def check_version(self, version: int, what: str) -> None:
         """`ProtocolError` naming `what` when `version` is not the next one after this
-        receiver's committed version: a stale request (payloads of an old version are refused
-        at staging anyway, and once retention removed them a fetch would only wait out its
-        timeout), or one beyond the next (nothing is ever published for it before the next
-        commits: the fetch would wait out its whole timeout)."""
-        if version <= self.committed_version:
-            raise ProtocolError(
-                f"{what}: version {version} is not after this receiver's committed version "
-                f"{self.committed_version} (a stale request); nothing fetched"
-            )
-        if version != self.committed_version + 1:
-            raise ProtocolError(
-                f"{what}: version {version} is not the next one after this receiver's committed "
-                f"version {self.committed_version} (versions are consecutive); nothing fetched"
-            )
+        receiver's committed version (state.check_next)."""
+        check_next(version, self.committed_version, what)
 
     def check_checkpoint(self, path: str, what: str) -> None:
         """`ProtocolError` naming `what` (nothing loaded) when a tensor of the checkpoint at

@@ -15,7 +15,8 @@ States (one rank's weights relative to its committed version):
 - ``dirty``: an attempt failed part-way; weights are a mixture. Only overwrite items (a retry of
   the complete changed set) are accepted until an attempt succeeds.
 
-`check_apply` holds the data-dependent refusals of an apply (which target, XOR or not).
+`check_apply` holds the data-dependent refusals of an apply (which target, XOR or not);
+`check_next` the version a fetch may ask for (the next one: versions are consecutive).
 
 Limitations:
 1. The table says which events a state admits; the commit's version and one target version
@@ -105,4 +106,22 @@ def check_apply(
         raise ProtocolError(
             f"attempt {attempt} has XOR items but this receiver is {state} (weights are "
             "not exactly the committed version); retry with overwrites of the complete set"
+        )
+
+
+def check_next(version: int, committed: int, what: str) -> None:
+    """`ProtocolError` naming `what` when `version` is not the next one after `committed`: a
+    stale request (payloads of an old version are refused at staging anyway, and once
+    retention removed them a fetch would only wait out its timeout), or one beyond the next
+    (nothing is ever published for it before the next commits: the fetch would wait out its
+    whole timeout)."""
+    if version <= committed:
+        raise ProtocolError(
+            f"{what}: version {version} is not after this receiver's committed version "
+            f"{committed} (a stale request); nothing fetched"
+        )
+    if version != committed + 1:
+        raise ProtocolError(
+            f"{what}: version {version} is not the next one after this receiver's committed "
+            f"version {committed} (versions are consecutive); nothing fetched"
         )

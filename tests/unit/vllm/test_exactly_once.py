@@ -294,7 +294,7 @@ def test_http_engine_plain_apply_is_held_to_the_manifest(tmp_path: Path) -> None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         v0, v1 = _versions()
-        items = _items(v0, v1, {"overwrite_only": rx.overwrite_only})
+        items = _items(v0, v1, {"overwrite_only": rx.found.overwrite_only})
         payloads = _encode(items)
         spec = _publish(tmp_path / "store", payloads)
         engine = HttpEngine(

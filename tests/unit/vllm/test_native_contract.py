@@ -187,7 +187,7 @@ def test_worker_entry_points_report_bad_arguments_and_change_nothing(
 
     # update_weights: every bad field is an ok:false report naming it, nothing changed
     rx = engine._receiver()
-    payloads = _encode(_items(*_versions(), {"overwrite_only": rx.overwrite_only}))
+    payloads = _encode(_items(*_versions(), {"overwrite_only": rx.found.overwrite_only}))
     _publish(tmp_path / "source", payloads)
     before = _state(engine)
     invalid = tmp_path / "control" / reports.key("engine0", "invalid/update", 0)

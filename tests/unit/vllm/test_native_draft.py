@@ -98,7 +98,7 @@ def test_draft_part_commits_with_the_base_part_and_mismatches_fence_both(
     assert init["draft"]["prewarm"]["shared"] == ["d.weight"]  # the target's receiver writes d
     assert "d.weight" not in init["prewarm"]["skipped"]
     base = engine._receivers()[0]
-    payloads = _encode(_items(*_versions(), {"overwrite_only": base.overwrite_only}))
+    payloads = _encode(_items(*_versions(), {"overwrite_only": base.found.overwrite_only}))
     _publish(tmp_path / "source", payloads)
     before = _models(engine)
 
@@ -154,9 +154,9 @@ def test_xor_delta_reaches_shared_storage_once(
 ) -> None:
     engine.init_transfer_engine(engine.parse_init_info(_init(tmp_path, "s1")))
     base = engine._receivers()[0]
-    payloads = _encode(_items(*_versions(), {"overwrite_only": base.overwrite_only}))
+    payloads = _encode(_items(*_versions(), {"overwrite_only": base.found.overwrite_only}))
     assert any(it.kind.name == "XOR" and it.name == "d.weight" for it in _items(
-        *_versions(), {"overwrite_only": base.overwrite_only}
+        *_versions(), {"overwrite_only": base.found.overwrite_only}
     ))  # fmt: skip
     _publish(tmp_path / "source", payloads)
     engine.update_weights({**_UPDATE, "draft": True})

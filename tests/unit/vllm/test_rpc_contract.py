@@ -64,7 +64,7 @@ def _snapshot(ext: DCRWorkerExtension) -> tuple:
 
 
 def _payloads(ext: DCRWorkerExtension, v0: dict, v1: dict) -> list[bytes]:
-    report = {"overwrite_only": ext._dcr_receiver().overwrite_only}
+    report = {"overwrite_only": ext._dcr_receiver().found.overwrite_only}
     return _encode(_items(v0, v1, report))
 
 
@@ -451,7 +451,7 @@ def test_calls_out_of_order_are_protocol_errors_that_change_nothing(tmp_path: Pa
     assert _snapshot(ext) == before
     # a new attempt goes through
     again = _encode(
-        _items(v0, v1, {"overwrite_only": ext._dcr_receiver().overwrite_only}), attempt=1
+        _items(v0, v1, {"overwrite_only": ext._dcr_receiver().found.overwrite_only}), attempt=1
     )
     assert len(ext.dcr_stage(again)["staged"]) == len(REFIT)
     assert ext.dcr_apply(1, verify=True)["ok"]
