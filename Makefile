@@ -155,9 +155,10 @@ $(TRAINER_STAMP): pyproject.toml Makefile
 # more on the trainer interpreter, where the modules that need vLLM skip with that reason.
 # tests/integration holds everything that starts processes (engines, ranks, S3, relay trees).
 TRAINER_UNITS := tests/unit
+# --durations=20: the slowest cases are printed (the default lane's budget: about 30 min on 2 cores)
 test: setup
 	@start=$$(date +%s); \
-	$(VPY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	$(VPY) -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS); rc=$$?; \
 	echo "[test] in-process units on the trainer env ($$($(TPY) --version))"; \
 	$(TPY) -m pytest -q $(TRAINER_UNITS); rc2=$$?; \
 	echo "[test] suite wall time: $$(( $$(date +%s) - start )) s"; [ $$rc = 0 ] && exit $$rc2; exit $$rc

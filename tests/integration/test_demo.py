@@ -101,7 +101,8 @@ def _check_same_run(dcr: dict, dense: dict, steps: int) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)
 def test_demo_rl_loop_with_kills_matches_dense_refits(tmp_path: Path) -> None:
-    steps = 4
+    # three steps, one kill (step 2); the slow lane's S3 demo runs ten steps with three kills
+    steps = 3
     dcr = _demo(tmp_path, "dcr", "--kill-every", "2", steps=steps)
     dense = _demo(tmp_path, "dense", "--refit", "dense", steps=steps)
     _check_same_run(dcr, dense, steps)
