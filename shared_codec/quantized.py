@@ -154,6 +154,16 @@ def groups_of(indices: np.ndarray, shape: tuple[int, int], fmt: QuantFormat) -> 
     return np.unique((idx // cols) // bh * per_row + (idx % cols) // bw)
 
 
+def group_count(shape: tuple[int, int], fmt: QuantFormat) -> int:
+    """How many quantization groups a weight of `shape` has in `fmt`."""
+    if fmt.group == "row":
+        return shape[0]
+    if fmt.group == "tensor":
+        return 1
+    assert fmt.block is not None
+    return -(-shape[0] // fmt.block[0]) * -(-shape[1] // fmt.block[1])
+
+
 def requantize(
     weight: torch.Tensor,
     q: torch.Tensor,
@@ -164,13 +174,14 @@ def requantize(
     """The (quantized weight, scale) of the new BF16 `weight` from the committed ones (`q`,
     `scale`): the `groups` (`groups_of` the changed elements) quantized again by the library,
     every other group copied. Equal to ``quantize(weight, fmt)`` when `groups` holds every
-    group whose elements changed."""
+    group whose elements changed; when it holds every group of the weight (a uniform change
+    touches every row), that is what it runs: no copy, gather or scatter of the groups."""
     _check(weight, fmt)
-    q, scale = q.clone(), scale.clone()
     if groups.size == 0:
-        return q, scale
-    if fmt.group == "tensor":
-        return quantize(weight, fmt)
+        return q.clone(), scale.clone()
+    if groups.size >= group_count((int(weight.shape[0]), int(weight.shape[1])), fmt):
+        return quantize(weight, fmt)  # every group (the tensor's one too): the whole weight
+    q, scale = q.clone(), scale.clone()
     if fmt.group == "row":
         rows = torch.from_numpy(groups)
         q[rows], scale[rows] = quantize(weight[rows], fmt)
@@ -263,6 +274,7 @@ __all__ = [
     "QuantFormat",
     "checkpoint_config",
     "format_of",
+    "group_count",
     "groups_of",
     "quantize",
     "quantize_checkpoint",

@@ -25,6 +25,7 @@ from shared_codec.quantized import (  # noqa: E402 - after the skip
     FORMATS,
     QuantFormat,
     format_of,
+    group_count,
     groups_of,
     quantize,
     quantize_checkpoint,
@@ -162,6 +163,7 @@ def test_groups_of() -> None:
     shape = (300, 384)  # blocks: 3 rows x 3 columns
     idx = np.array([0, 383, 384, 130 * 384 + 200, 299 * 384 + 383])
     assert groups_of(idx, shape, row).tolist() == [0, 1, 130, 299]
+    assert [group_count(shape, f) for f in (row, block, tensor)] == [300, 9, 1]
     assert groups_of(idx, shape, block).tolist() == [0, 2, 4, 8]
     assert groups_of(idx, shape, tensor).tolist() == [0]
     for fmt in (row, block, tensor):
