@@ -64,6 +64,7 @@ class Prewarmed:
         return replace(fresh, derived=self.derived, quantized=self.quantized)
 
     def same_classes(self, other: Prewarmed) -> bool:
+        """Whether `other` classes every tensor as this does (verify_plan's ``classes_changed``)."""
         return (
             self.skipped == other.skipped
             and dict(self.overwrite_only) == dict(other.overwrite_only)
