@@ -39,6 +39,12 @@ checks the replica's checkpoint against it (``replica_exact``, part of ``bit_exa
 replica``, default): it forwards every payload down a local relay tree (root -> ``rollout0``)
 whose spool the rollout engine reads; ``--fetch engines``: the engine reads the store itself.
 
+Quantized rollout (``--quantization FMT``, e.g. ``int8-channel`` or ``fp8-channel``; issue 32):
+both engines serve the library quantizer's checkpoint in that format (`write_quantized_model`
+of the BF16 fixture, as the rollout cluster would hold it), the trainer job sends quantized
+deltas (``rl_job --quantization``, the scales overwrite-only), the replica keeps the quantized
+checkpoint, and the oracle is the quantized checkpoint of each BF16 export (``ckpt``).
+
 Limitations:
 1. One rollout engine and one tree node (plus the root); the reference engine is dense-loaded.
 2. ``--refit dense`` reuses the reference engine's digest check (it is trivially exact).
@@ -208,8 +214,9 @@ class Demo:
         if self.work.exists():
             shutil.rmtree(self.work)
         self.work.mkdir(parents=True)
-        model = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
-        self.model = model
+        bf16 = write_tiny_model("qwen3", self.work / "model", seed=self.args.seed)
+        self.model = model = self._served(bf16)
+        quantized = self._quantized_args(bf16)
         if self.args.transport == "relay":
             # the control records live in a local directory; payloads travel over the tree:
             # trainer ranks -> root -> node "rollout0", which spools them for its engine
@@ -242,9 +249,10 @@ class Demo:
         )
         self.procs.append(
             start_rl_job(
-                model,
+                bf16,
                 endpoint,
                 transport_args,
+                *quantized,
                 "--lr",
                 str(self.args.lr),
                 log=self.work / "trainer.log",
@@ -267,7 +275,7 @@ class Demo:
         urls = [s.start(timeout_s=600) for s in self.servers]
         self.owners = RemoteOwners(endpoint, timeout_s=600)
         self.owners.call("status", timeout_s=600)
-        self.owners.call("export", path=self.ckpt(0))  # the oracle (reference engine) only
+        self.export(0)  # the oracle (reference engine) only
         table = tensor_table(self.ckpt(0))
         # the rollout engine restores from the rollout cluster's replica (its checkpoint URL,
         # downloaded with range reads), the reference engine from the trainer's exports
@@ -335,8 +343,49 @@ class Demo:
         """The coordinator's receivers: the replica (a required one) and the rollout engine."""
         return ([self.replica] if self.replica is not None else []) + [self.rollout]
 
+    @property
+    def quantization(self) -> str:
+        return str(getattr(self.args, "quantization", "") or "")
+
+    def _served(self, bf16: Path) -> Path:
+        """The checkpoint the engines serve at v0: the BF16 fixture, or its quantized one."""
+        if not self.quantization:
+            return bf16
+        from dcr_tools.fixtures import write_quantized_model
+
+        return write_quantized_model(bf16, self.work / "model-q", self.quantization)
+
+    def _quantized_args(self, bf16: Path) -> list[str]:
+        """The trainer job's quantized-delta arguments (none for BF16 engines): the format,
+        and the scales overwrite-only (engines take no XOR for them)."""
+        if not self.quantization:
+            return []
+        from shared_codec.quantized import quantizes, scale_name
+
+        scales = sorted(scale_name(n) for n, _, _ in tensor_table(bf16) if quantizes(n))
+        return ["--quantization", self.quantization, "--overwrite-only", ",".join(scales)]
+
     def ckpt(self, version: int) -> str:
-        return str(self.work / "ckpts" / f"v{version}")
+        """The oracle checkpoint of `version` the engines would dense-load (quantized: the
+        library quantizer's checkpoint of the trainer's export)."""
+        return str(self.work / "ckpts" / f"{'q' if self.quantization else 'v'}{version}")
+
+    def export(self, version: int) -> str:
+        """The trainer's export of `version` (and its quantized checkpoint); `ckpt(version)`."""
+        assert self.owners is not None
+        bf16 = self.work / "ckpts" / f"v{version}"
+        self.owners.call("export", path=str(bf16))
+        if self.quantization:
+            from dcr_tools.fixtures import write_quantized_model
+
+            write_quantized_model(bf16, self.ckpt(version), self.quantization)
+        return self.ckpt(version)
+
+    def drop(self, version: int) -> None:
+        """Remove the oracle checkpoints of `version` (the BF16 export and its quantized one)."""
+        for path in {Path(self.ckpt(version)), self.work / "ckpts" / f"v{version}"}:
+            if path.exists():
+                shutil.rmtree(path)
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, Any]:
@@ -393,10 +442,10 @@ class Demo:
                     "failed_attempts": [a.failed for a in res.attempts[:-1]],
                 }
             )
-            self.owners.call("export", path=self.ckpt(step))
+            self.export(step)
         else:
             t2 = time.perf_counter()
-            self.owners.call("export", path=self.ckpt(step))
+            self.export(step)
             self.rollout.rpc("dcr_dense_load", self.ckpt(step), step)
             self.rollout.reset_prefix_cache()
             row.update({"attempts": 0, "killed": False, "dense_s": time.perf_counter() - t2})
@@ -433,6 +482,7 @@ class Demo:
             "transport": a.transport,
             "steps": a.steps,
             "kill_every": a.kill_every,
+            "quantization": self.quantization or None,
             "replica": self.replica is not None,
             # what restores read from the replica's service (leases opened, bytes sent)
             "replica_served": self.replica.status()["served"] if self.replica else None,
@@ -471,6 +521,18 @@ class Demo:
                 pass
 
 
+def add_quantization_argument(ap: argparse.ArgumentParser) -> None:
+    """``--quantization FMT`` (`dcr demo`, `dcr soak`)."""
+    from shared_codec.quantized import FORMATS
+
+    ap.add_argument(
+        "--quantization",
+        choices=sorted(FORMATS),
+        default="",
+        help="engines serve this quantized format, refit by quantized deltas (default: BF16)",
+    )
+
+
 def add_replica_arguments(ap: argparse.ArgumentParser) -> None:
     """``--no-replica`` and ``--fetch`` (`dcr demo`, `dcr soak`)."""
     ap.add_argument(
@@ -499,6 +561,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--refit", choices=["dcr", "dense"], default="dcr")
     ap.add_argument("--kill-every", type=int, default=0, help="kill the engine mid-apply")
     add_replica_arguments(ap)
+    add_quantization_argument(ap)
     ap.add_argument("--samples", type=int, default=2, help="samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-6, help="Adam learning rate")

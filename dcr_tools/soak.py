@@ -16,7 +16,9 @@ engine is armed to die mid-apply (the test-only fault plan `dcr_tools.faults`, a
 dense-loads the committed version from the rollout cluster's replica (as in ``dcr demo``; the
 replica is a required receiver, checked against the export after every refit and sampled as
 row ``replica``; ``--no-replica``: from the trainer's export), and retries with overwrites;
-that refit must take exactly two attempts.
+that refit must take exactly two attempts. ``--quantization FMT``: the engines serve that
+quantized format and the oracle is the library's quantized checkpoint of each export
+(``dcr demo --quantization``).
 
 At refit 0 (after start) and every ``--sample-every`` refits the soak records, through
 ``/proc`` (psutil), the resident set size, open file descriptors and threads of every process
@@ -51,7 +53,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -60,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools import faults
-from dcr_tools.demo import Demo, add_replica_arguments
+from dcr_tools.demo import Demo, add_quantization_argument, add_replica_arguments
 from shared_codec.coordination.commit import PREFIX as COMMITS
 from shared_codec.coordination.coordinator import RefitFailed
 from shared_codec.errors import DCRError
@@ -222,15 +223,13 @@ class Soak(Demo):
         t2 = time.perf_counter()
         self.coord.wait_retention()  # the disk sampled after each refit is after retention
         v = res.version
-        self.owners.call("export", path=self.ckpt(v))
+        self.export(v)
         self.reference.rpc("dcr_dense_load", self.ckpt(v), v)
         digest = self.rollout.digest()
         exact = digest == self.reference.digest()
         if self.replica is not None:  # the replica's checkpoint is the export's bits too
             exact = exact and self.replica_exact(v)
-        old = Path(self.ckpt(v - 2))
-        if old.exists():
-            shutil.rmtree(old)
+        self.drop(v - 2)
         last = res.attempts[-1]
         return {
             "refit": i,
@@ -395,6 +394,7 @@ def build_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argument
     ap.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (1e-5)")
     ap.add_argument("--seed", type=int, default=0, help="fixture seed")
     add_replica_arguments(ap)
+    add_quantization_argument(ap)
     return ap
 
 

@@ -103,3 +103,22 @@ def test_soak_rejects_bad_arguments(tmp_path: Path) -> None:
             timeout=120,
         )
         assert r.returncode == 2 and "dcr soak:" in r.stderr, (args, r.stderr)
+
+
+def test_quantized_mode_arguments_and_oracle_paths(tmp_path: Path) -> None:
+    """``--quantization``: only DCR's format names are taken; the oracle checkpoint of a version
+    is the library's quantized one (``q<v>``) beside the trainer's BF16 export (``v<v>``)."""
+    import argparse
+
+    from dcr_tools.demo import Demo
+    from dcr_tools.soak import build_parser
+
+    r = subprocess.run(
+        [PYTHON, "-m", "dcr_tools.cli", "soak", "--quantization", "int4", "--out", str(tmp_path)],
+        cwd=REPO, env=base_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--quantization: invalid choice: 'int4'" in r.stderr, r.stderr
+    args = build_parser().parse_args(["--quantization", "int8-channel", "--out", str(tmp_path)])
+    assert Path(Demo(args).ckpt(3)).name == "q3"
+    plain = argparse.Namespace(**{**vars(args), "quantization": ""})
+    assert Path(Demo(plain).ckpt(3)).name == "v3"
