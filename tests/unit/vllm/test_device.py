@@ -160,7 +160,9 @@ def test_native_update_waits_before_its_report(engine, tmp_path: Path, monkeypat
     assert _report(tmp_path, reports.init_step("sync"))["ok"]
     rx = engine._receiver()
     v0, v1 = _versions()
-    _publish(tmp_path / "source", _encode(_items(v0, v1, {"overwrite_only": rx.found.overwrite_only})))
+    _publish(
+        tmp_path / "source", _encode(_items(v0, v1, {"overwrite_only": rx.found.overwrite_only}))
+    )
     key = tmp_path / "control" / reports.key("engine0", reports.update_step(1, 0), 0)
     before = device.storage_pointers(rx.model)
     rec = _Recorder(lambda: key.exists())
