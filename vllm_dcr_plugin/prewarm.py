@@ -100,5 +100,9 @@ def find(
     quantized.check_recipe(model, {n: s.dtype for n, s in specs.items()}, caps.writes)
     plan = derived.plan_rederive(model, caps.writes)
     layers = quantized.written_layers(model, caps.writes)
-    refused = {**plan.refused, **quantized.refused_tensors(model, layers)}
+    refused = {
+        **plan.refused,
+        **quantized.refused_tensors(model, layers),
+        **quantized.unsupported_tensors(model, caps.writes),
+    }
     return Prewarmed.of(caps, refused, derived=plan, quantized=layers), caps

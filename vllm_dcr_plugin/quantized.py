@@ -90,6 +90,9 @@ class QLayer:
 
 
 _layers: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, QLayer]] = weakref.WeakKeyDictionary()
+#: model -> module path -> its quantization method or scheme, for each quantized layer DCR does
+#: not capture (another scheme: W4A16, GPTQ, AWQ, MXFP4, ...): their tensors are refused
+_others: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
 
 
 def format_of(scheme: Any) -> str | None:
@@ -126,12 +129,13 @@ def capture(model: torch.nn.Module) -> None:
     """Before the post-load step: keep every supported quantized layer's checkpoint-format
     parameters (module docstring)."""
     layers: dict[str, QLayer] = {}
+    others: dict[str, str] = {}
     for path, module in model.named_modules():
         scheme = _scheme_of(module)
-        if scheme is None:
-            continue
-        fmt = format_of(scheme)
+        fmt = None if scheme is None else format_of(scheme)
         if fmt is None:
+            if (what := _other_quantized(module)) is not None:
+                others[path] = what
             continue
         layers[path] = QLayer(
             module=module, scheme=type(scheme).__name__, format=fmt,
@@ -139,6 +143,40 @@ def capture(model: torch.nn.Module) -> None:
         )  # fmt: skip
     if layers:
         _layers[model] = layers
+    if others:
+        _others[model] = others
+
+
+def _other_quantized(module: torch.nn.Module) -> str | None:
+    """The scheme or method of a quantized layer DCR does not capture, else None: a module
+    with parameters of its own whose ``quant_method`` is neither unquantized nor a KV-cache
+    scale method (attention's, which no canonical weight writes)."""
+    method = getattr(module, "quant_method", None)
+    name = type(method).__name__
+    if method is None or name.startswith("Unquantized") or "KVCache" in name:
+        return None
+    if not any(p is not None for p in module._parameters.values()):
+        return None
+    scheme = getattr(module, "scheme", None)
+    return type(scheme).__name__ if scheme is not None else name
+
+
+def unsupported_tensors(
+    model: torch.nn.Module, writes: dict[str, frozenset[str]]
+) -> dict[str, str]:
+    """Prewarm's refusals for quantized layers DCR does not capture (`writes`: the prewarm
+    trace's canonical tensor -> model tensor paths): their post-load step may re-pack what the
+    loader wrote (as the fused experts' does), so a write after it would be wrong, silently."""
+    others = _others.get(model, {})
+    out: dict[str, str] = {}
+    for name, paths in sorted(writes.items()):
+        hit = sorted({m for p in paths if (m := p.rpartition(".")[0]) in others})
+        if hit:
+            out[name] = (
+                f"writes quantized layer {hit[0]} ({others[hit[0]]}), a scheme DCR does not "
+                "refit (docs/quantized.md lists the supported ones)"
+            )
+    return out
 
 
 def adopt(model: torch.nn.Module) -> None:
@@ -321,6 +359,8 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
         "formats": dict(sorted(formats.items())),
         "layers": len(layers),
         "refused_layers": {p: q.refused for p, q in sorted(layers.items()) if q.refused},
+        # quantized layers of schemes DCR does not refit: their tensors are unsupported
+        "unsupported_layers": dict(sorted(_others.get(model, {}).items())),
         "retained_bytes": retained,
     }
 
@@ -337,6 +377,7 @@ __all__ = [
     "owns",
     "rederive",
     "refused_tensors",
+    "unsupported_tensors",
     "report",
     "verify",
     "written_layers",

@@ -63,3 +63,36 @@ def test_capture_takes_linear_layers_and_fused_experts_not_others() -> None:
 )  # fmt: skip
 def test_quantized_weight_parameters(param: str, weight: bool) -> None:
     assert quantized._is_weight(param) is weight
+
+
+def test_quantized_layers_of_other_schemes_refuse_their_tensors() -> None:
+    """A quantized layer DCR does not capture (here a W4A16 scheme, and a GPTQ-style method
+    without a scheme) refuses every canonical tensor whose loader writes it; unquantized layers
+    and attention's KV-cache scale method do not."""
+    model = torch.nn.Module()
+
+    def layer(method: str, scheme: str | None = None) -> torch.nn.Module:
+        m = torch.nn.Linear(4, 4)
+        m.quant_method = _fake(method)  # type: ignore[assignment]
+        if scheme is not None:
+            m.scheme = _fake(scheme, strategy="group")  # type: ignore[assignment]
+        return m
+
+    model.add_module("w4", layer("CompressedTensorsLinearMethod", "CompressedTensorsWNA16"))
+    model.add_module("gptq", layer("GPTQLinearMethod"))
+    model.add_module("plain", layer("UnquantizedLinearMethod"))
+    model.add_module("attn", layer("CompressedTensorsKVCacheMethod"))
+    quantized.capture(model)
+    writes = {
+        "a.weight": frozenset({"w4.weight"}),
+        "b.weight": frozenset({"gptq.weight", "plain.weight"}),
+        "c.weight": frozenset({"plain.weight"}),
+        "d.k_scale": frozenset({"attn.weight"}),
+    }
+    refused = quantized.unsupported_tensors(model, writes)
+    assert sorted(refused) == ["a.weight", "b.weight"]
+    assert "CompressedTensorsWNA16" in refused["a.weight"] and "w4" in refused["a.weight"]
+    assert "GPTQLinearMethod" in refused["b.weight"]
+    assert quantized.report(model)["unsupported_layers"] == {
+        "gptq": "GPTQLinearMethod", "w4": "CompressedTensorsWNA16",
+    }  # fmt: skip
