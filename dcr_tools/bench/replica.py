@@ -51,11 +51,9 @@ Limitations:
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -66,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr_tools.bench.apply import SIZES
-from dcr_tools.bench.stats import aggregate
+from dcr_tools.bench.stats import aggregate, machine
 
 #: goals of issue 31, as upper bounds of the median ratio
 GOALS = {
@@ -200,26 +198,6 @@ class ChainOwners:
 
 
 # --- the run ----------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    model, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1]
-    except OSError:
-        pass
-    return {
-        "processor": model or platform.processor(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "amx": "amx_tile" in flags.split(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
 
 
 def derive_versions(v0: Path, work: Path, count: int, rate: float, overwrite: set[str]) -> Any:

@@ -1,5 +1,6 @@
 """Repeat statistics shared by the benchmarks: every timed figure is reported as the median and
-the min-max of its timed runs (after a warm-up the caller discards), with the runs themselves.
+the min-max of its timed runs (after a warm-up the caller discards), with the runs themselves;
+and `machine`, what the figures were measured on.
 
 Limitations:
 1. A median of a handful of runs does not absorb a machine shared with other jobs; the min-max
@@ -8,7 +9,11 @@ Limitations:
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,3 +39,23 @@ def aggregate(runs: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> dict[st
         s = summarize([float(r[k]) for r in runs])
         out[k], out[f"{k}_min"], out[f"{k}_max"] = s["median"], s["min"], s["max"]
     return out
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1]
+    except OSError:
+        pass
+    return {
+        "processor": model or platform.processor(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "amx": "amx_tile" in flags.split(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
